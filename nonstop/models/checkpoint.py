@@ -1,0 +1,130 @@
+"""Load and save Hugging Face checkpoint directories (config.json + safetensors).
+
+`load_pretrained` builds the decoder with shape-only parameters, then streams each tensor from
+the memory-mapped files, converts it to our layout and dtype, and places it directly onto its
+sharding (`jax.make_array_from_callback`, so each process materialises only its own shards);
+one tensor at a time is resident on the host. Every expected tensor must be present with its
+expected shape, and every tensor present must be used: anything else is an error naming the
+tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from safetensors.numpy import save_file
+
+from nonstop.models.config import ModelConfig
+from nonstop.models.decoder import Decoder, abstract_decoder
+from nonstop.models.hf_weights import IGNORED_SUFFIXES, WeightSpec, weight_specs
+from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
+from nonstop.models.sharding import DEFAULT_RULES, ShardingRules
+
+log = logging.getLogger(__name__)
+
+
+def _check_tensors(reader: SafetensorsReader, specs: list[WeightSpec], cfg: ModelConfig) -> None:
+    expected = {s.hf_name for s in specs}
+    for spec in specs:
+        entry = reader.entries.get(spec.hf_name)
+        if entry is None:
+            raise CheckpointError(f"{reader.directory}: tensor {spec.hf_name!r} is missing from the "
+                                  f"checkpoint's safetensors files "
+                                  f"({sorted({e.file.name for e in reader.entries.values()})})")
+        if entry.shape != spec.hf_shape:
+            raise CheckpointError(f"{entry.file}: tensor {spec.hf_name!r} has shape {entry.shape}, "
+                                  f"but config.json implies {spec.hf_shape}")
+    for name, entry in reader.entries.items():
+        if name in expected or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            log.warning("%s: ignoring lm_head.weight: config.json ties it to the embeddings",
+                        entry.file)
+            continue
+        raise CheckpointError(f"{entry.file}: unexpected tensor {name!r}: nonstop's "
+                              f"{cfg.family} decoder has no parameter for it")
+
+
+def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
+                    param_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
+                    rules: ShardingRules = DEFAULT_RULES) -> Decoder:
+    """A `Decoder` with the weights of a local Hugging Face checkpoint directory.
+
+    `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: `dtype`).
+    With a `mesh`, each parameter lands on the sharding its logical axes map to.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass a local Hugging Face checkpoint")
+    cfg = ModelConfig.from_hf(path / "config.json")
+    param_dtype = param_dtype or dtype
+    specs = weight_specs(cfg)
+    by_path = {s.path: s for s in specs}
+    graphdef, abstract = nnx.split(abstract_decoder(cfg, dtype=dtype, param_dtype=param_dtype))
+    with SafetensorsReader(path) as reader:
+        _check_tensors(reader, specs, cfg)
+        for var_path, var in nnx.to_flat_state(abstract):
+            spec = by_path.get(tuple(var_path))
+            if spec is None:
+                raise CheckpointError(f"internal: parameter {var_path} has no checkpoint tensor")
+            host = np.ascontiguousarray(spec.to_ours(reader.view(spec.hf_name)), dtype=param_dtype)
+            reader.release(spec.hf_name)
+            if mesh is None:
+                sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            else:
+                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, host.shape, mesh))
+            var.set_value(jax.make_array_from_callback(host.shape, sharding,
+                                                       lambda idx, h=host: h[idx]))
+            del host
+    return nnx.merge(graphdef, abstract)
+
+
+def save_pretrained(model: Decoder, path: str | Path, *, dtype: jnp.dtype | None = None,
+                    max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write `model` as a Hugging Face checkpoint directory that transformers loads.
+
+    Tensors are written in `dtype` (default: the parameters' own), split into shards of at most
+    `max_shard_bytes` with a `model.safetensors.index.json` when there is more than one.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    specs = {s.path: s for s in weight_specs(cfg)}
+    state = nnx.state(model, nnx.Param)
+    flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    saved_dtype = None
+    for spec_path, spec in specs.items():
+        value = jax.device_get(flat[spec_path].get_value())
+        host = np.ascontiguousarray(spec.to_hf(np.asarray(value)))
+        if dtype is not None:
+            host = host.astype(dtype)
+        saved_dtype = host.dtype
+        if sizes[-1] and sizes[-1] + host.nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][spec.hf_name] = host
+        sizes[-1] += host.nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf = cfg.to_hf()
+    hf["dtype"] = str(np.dtype(saved_dtype)) if saved_dtype is not None else "float32"
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+__all__ = ["CheckpointError", "load_pretrained", "save_pretrained"]

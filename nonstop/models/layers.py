@@ -1,0 +1,185 @@
+"""Decoder building blocks: RMSNorm, grouped-query attention, gated MLP, and the block.
+
+One implementation for every family; `ModelConfig` switches select Qwen2 biases, q/k norms,
+Gemma's (1+w) norms, soft-capping, post-norms and sliding windows. Weights are stored in the
+einsum-friendly layouts q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D];
+each parameter carries `logical_axes` metadata that `sharding.py` maps onto a mesh.
+
+Attention reads either the current segment-packed sequence (training, full forward) or a KV
+cache laid out [S, K, L, H] (engine), in which case the new keys and values are written at
+their positions first and queries attend to cache positions <= their own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+from nonstop.models.config import LayerType, ModelConfig
+from nonstop.models.rope import apply_rope
+
+_MASKED = -2.3819763e38  # the most negative float32 that stays finite after a softmax shift
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * w, or * (1 + w) for Gemma; statistics in float32."""
+
+    def __init__(self, dim: int, *, eps: float, plus_one: bool, param_dtype: jnp.dtype):
+        init = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype), logical_axes=("norm",))
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def __call__(self, x: Array) -> Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        w = self.scale[...].astype(jnp.float32)
+        if self.plus_one:
+            return (xf * (1.0 + w)).astype(x.dtype)
+        return w.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional biases, q/k norms, soft-capping and a window."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: LayerType, *, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.window = cfg.sliding_window if layer_type == "sliding" else None
+        self.q_proj = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_proj = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_proj = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype)
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((N, H), param_dtype), logical_axes=("heads", "head_dim"))
+            self.k_bias = nnx.Param(jnp.zeros((K, H), param_dtype),
+                                    logical_axes=("kv_heads", "head_dim"))
+            self.v_bias = nnx.Param(jnp.zeros((K, H), param_dtype),
+                                    logical_axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                                  param_dtype=param_dtype)
+            self.k_norm = RMSNorm(H, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                                  param_dtype=param_dtype)
+
+    def _project(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+        cfg, dt = self.cfg, x.dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend(self, q: Array, k: Array, v: Array, allowed: Array) -> Array:
+        """q [B,T,N,H], k/v [B,K,L,H], allowed [B,T,L] -> [B,T,N,H]."""
+        B, T, N, H = q.shape
+        K = k.shape[1]
+        q = q.reshape(B, T, K, N // K, H)
+        scores = jnp.einsum("btkgh,bklh->bkgtl", q, k).astype(jnp.float32)
+        scores = softcap(scores * self.cfg.attention_scale, self.cfg.attn_softcap)
+        scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgtl,bklh->btkgh", probs, v)
+        return out.reshape(B, T, N, H)
+
+    def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
+                 segment_ids: Array, cache: tuple[Array, Array] | None,
+                 slots: Array | None) -> tuple[Array, tuple[Array, Array] | None]:
+        q, k, v = self._project(x, rope)
+        B, T = positions.shape
+        if cache is None:
+            idx = jnp.arange(T)
+            allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (
+                idx[None, :, None] >= idx[None, None, :])
+            if self.window is not None:
+                allowed &= idx[None, :, None] - idx[None, None, :] < self.window
+            out = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
+            new_cache = None
+        else:
+            k_cache, v_cache = cache
+            L = k_cache.shape[2]
+            rows = jnp.arange(B) if slots is None else slots
+            # Positions past the cache (idle slots are parked at L) are dropped, not wrapped.
+            k_cache = k_cache.at[rows[:, None], :, positions, :].set(
+                k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows[:, None], :, positions, :].set(
+                v.astype(v_cache.dtype), mode="drop")
+            keys, values = (k_cache, v_cache) if slots is None else (k_cache[slots], v_cache[slots])
+            cache_pos = jnp.arange(L)
+            allowed = cache_pos[None, None, :] <= positions[:, :, None]
+            if self.window is not None:
+                allowed &= positions[:, :, None] - cache_pos[None, None, :] < self.window
+            out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), allowed)
+            new_cache = (k_cache, v_cache)
+        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(x.dtype))
+        return y, new_cache
+
+
+class MLP(nnx.Module):
+    """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU or GeGLU by config."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.activation = cfg.activation
+        self.gate_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.up_proj = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
+        self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x: Array) -> Array:
+        dt = x.dtype
+        gate = x @ self.gate_proj[...].astype(dt)
+        if self.activation == "silu":
+            gate = jax.nn.silu(gate)
+        else:
+            gate = jax.nn.gelu(gate, approximate=self.activation == "gelu_tanh")
+        return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block; Gemma 2/3 add norms on the attention and MLP outputs."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: LayerType, *, param_dtype: jnp.dtype,
+                 rngs: nnx.Rngs):
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one,
+                           param_dtype=param_dtype)
+
+        self.layer_type = layer_type
+        self.post_norms = cfg.post_norms
+        self.input_norm = norm()
+        self.attn = Attention(cfg, layer_type, param_dtype=param_dtype, rngs=rngs)
+        self.pre_mlp_norm = norm()
+        self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = norm()
+            self.post_mlp_norm = norm()
+
+    def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
+                 segment_ids: Array, cache: tuple[Array, Array] | None,
+                 slots: Array | None) -> tuple[Array, tuple[Array, Array] | None]:
+        h, cache = self.attn(self.input_norm(x), rope, positions, segment_ids, cache, slots)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.pre_mlp_norm(x))
+        if self.post_norms:
+            h = self.post_mlp_norm(h)
+        return x + h, cache
