@@ -52,6 +52,17 @@ def _check_tensors(reader: SafetensorsReader, specs: list[WeightSpec], cfg: Mode
                               f"{cfg.family} decoder has no parameter for it")
 
 
+def _to_layout(view: np.ndarray, spec: WeightSpec, dtype: np.dtype) -> np.ndarray:
+    """Our layout and dtype, C-contiguous; the view itself when nothing changes.
+
+    Strided copies of ml_dtypes' bfloat16 go element by element; transposing the same bytes as
+    uint16 uses numpy's native copy loops and is an order of magnitude faster.
+    """
+    raw = view.view(np.uint16) if view.dtype.itemsize == 2 else view
+    moved = np.ascontiguousarray(spec.to_ours(raw)).view(view.dtype)
+    return moved if moved.dtype == dtype else moved.astype(dtype)
+
+
 def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
                     param_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
                     rules: ShardingRules = DEFAULT_RULES) -> Decoder:
@@ -74,15 +85,22 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
             spec = by_path.get(tuple(var_path))
             if spec is None:
                 raise CheckpointError(f"internal: parameter {var_path} has no checkpoint tensor")
-            host = np.ascontiguousarray(spec.to_ours(reader.view(spec.hf_name)), dtype=param_dtype)
-            reader.release(spec.hf_name)
+            view = reader.view(spec.hf_name)
+            host = _to_layout(view, spec, np.dtype(param_dtype))
+            copied = not np.shares_memory(host, view)
+            del view
+            if copied:  # the mapped pages are no longer needed: drop them before the device copy
+                reader.release(spec.hf_name)
             if mesh is None:
                 sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             else:
                 sharding = NamedSharding(mesh, rules.spec(var.logical_axes, host.shape, mesh))
-            var.set_value(jax.make_array_from_callback(host.shape, sharding,
-                                                       lambda idx, h=host: h[idx]))
+            array = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+            array.block_until_ready()
+            var.set_value(array)
             del host
+            if not copied:
+                reader.release(spec.hf_name)
     return nnx.merge(graphdef, abstract)
 
 

@@ -1,0 +1,145 @@
+"""Checkpoint load benchmark (BENCHMARKS.md §5): seconds and peak resident memory / size.
+
+Writes a synthetic Llama-style checkpoint of about 1 GB (bf16, several shards, Hugging Face
+layout), then loads it in fresh subprocesses two ways, side by side:
+  - `nonstop`: `load_pretrained`, streaming tensor by tensor from the memory-mapped shards;
+  - `naive`: `safetensors.numpy.load_file` per shard, then `jax.device_put` of each tensor.
+Peak RSS is read from getrusage in the loading process; `delta` subtracts the RSS the process
+had after importing jax and before loading, so the ratio is about the loader, not the runtime.
+
+    python -m bench.load [--out results.jsonl] [--repeats 3] [--size-gb 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nonstop.models import ModelConfig
+from nonstop.models.hf_weights import weight_specs
+
+
+def synthetic_config(size_gb: float) -> ModelConfig:
+    layers = max(1, round(8 * size_gb))
+    return ModelConfig(family="llama", vocab_size=32_000, hidden_size=2048,
+                       intermediate_size=5632, num_layers=layers, num_heads=16, num_kv_heads=16,
+                       head_dim=128)
+
+
+def write_checkpoint(directory: Path, cfg: ModelConfig, shard_bytes: int = 300 * 1024**2) -> int:
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    names: list[str] = []
+    total = 0
+    weight_map = {}
+
+    def flush() -> None:
+        name = f"model-{len(names) + 1:05d}.safetensors"
+        save_file(shards[-1], str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shards[-1], name))
+        names.append(name)
+        shards[-1] = {}
+
+    for spec in weight_specs(cfg):
+        arr = (rng.standard_normal(spec.hf_shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+        if size and size + arr.nbytes > shard_bytes:
+            flush()
+            size = 0
+        shards[-1][spec.hf_name] = arr
+        size += arr.nbytes
+        total += arr.nbytes
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf = cfg.to_hf()
+    hf["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(hf))
+    return total
+
+
+_LOADER = r"""
+import json, resource, sys, time
+import jax, jax.numpy as jnp, numpy as np
+import psutil
+mode, path = sys.argv[1], sys.argv[2]
+from flax import nnx
+from safetensors.numpy import load_file
+from nonstop.models import load_pretrained
+jnp.zeros(1).block_until_ready()
+base = psutil.Process().memory_info().rss
+t0 = time.perf_counter()
+if mode == "nonstop":
+    model = load_pretrained(path, dtype=jnp.bfloat16)
+    leaves = jax.tree.leaves(nnx.state(model))
+else:
+    import glob
+    leaves = []
+    for f in sorted(glob.glob(path + "/*.safetensors")):
+        for arr in load_file(f).values():
+            leaves.append(jax.device_put(arr))
+jax.block_until_ready(leaves)
+seconds = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base,
+                  "loaded_bytes": int(sum(x.nbytes for x in leaves))}))
+"""
+
+
+def run_loader(mode: str, directory: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _LOADER, mode, str(directory)], check=True,
+                         capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu",
+                                                              **__import__("os").environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    args = parser.parse_args()
+    cfg = synthetic_config(args.size_gb)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        t0 = time.perf_counter()
+        size = write_checkpoint(directory, cfg)
+        shards = len(list(directory.glob("*.safetensors")))
+        print(f"checkpoint: {size / 1e9:.2f} GB in {shards} shards, written in "
+              f"{time.perf_counter() - t0:.1f}s")
+        results = {}
+        for mode in ("nonstop", "naive"):
+            runs = [run_loader(mode, directory) for _ in range(args.repeats)]
+            results[mode] = {
+                "mode": mode, "checkpoint_bytes": size, "shards": shards,
+                "seconds": statistics.median(r["seconds"] for r in runs),
+                "peak_over_size": statistics.median(r["peak_rss"] / size for r in runs),
+                "peak_delta_over_size": statistics.median(
+                    (r["peak_rss"] - r["base_rss"]) / size for r in runs),
+                "repeats": len(runs),
+            }
+    print(f"{'mode':8} {'seconds':>8} {'peak RSS/size':>14} {'(peak-base)/size':>17}")
+    for r in results.values():
+        print(f"{r['mode']:8} {r['seconds']:8.2f} {r['peak_over_size']:14.3f} "
+              f"{r['peak_delta_over_size']:17.3f}")
+    ratio = results["naive"]["peak_delta_over_size"] / results["nonstop"]["peak_delta_over_size"]
+    print(f"naive/nonstop peak-memory ratio: {ratio:.2f}  (goal: nonstop peak/size <= 1.3)")
+    if args.out:
+        with args.out.open("a") as f:
+            for r in results.values():
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
