@@ -3,7 +3,8 @@
 One implementation for every family; `ModelConfig` switches select Qwen2 biases, q/k norms,
 Gemma's (1+w) norms, soft-capping, post-norms and sliding windows. Weights are stored in the
 einsum-friendly layouts q [D, N, H], k/v [D, K, H], o [N, H, D], gate/up [D, F], down [F, D];
-each parameter carries `logical_axes` metadata that `sharding.py` maps onto a mesh.
+each parameter carries `logical_axes` metadata that `sharding.py` maps onto a mesh. A projection
+may also be quantized or LoRA-wrapped (`quantize.py`, `lora.py`); `project` hides which.
 
 Attention reads either the current segment-packed sequence (training, full forward) or a KV
 cache laid out [S, K, L, H] (engine), in which case the new keys and values are written at
@@ -18,6 +19,7 @@ from flax import nnx
 from jax import Array
 
 from nonstop.models.config import LayerType, ModelConfig
+from nonstop.models.lora import project
 from nonstop.models.rope import apply_rope
 
 _MASKED = -2.3819763e38  # the most negative float32 that stays finite after a softmax shift
@@ -76,9 +78,9 @@ class Attention(nnx.Module):
 
     def _project(self, x: Array, rope: tuple[Array, Array]) -> tuple[Array, Array, Array]:
         cfg, dt = self.cfg, x.dtype
-        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+        q = project(x, self.q_proj, 1)  # [B, T, N, H]
+        k = project(x, self.k_proj, 1)  # [B, T, K, H]
+        v = project(x, self.v_proj, 1)
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -129,7 +131,7 @@ class Attention(nnx.Module):
                 allowed &= positions[:, :, None] - cache_pos[None, None, :] < self.window
             out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), allowed)
             new_cache = (k_cache, v_cache)
-        y = jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(x.dtype))
+        y = project(out, self.o_proj, 2)
         return y, new_cache
 
 
@@ -144,13 +146,12 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
 
     def __call__(self, x: Array) -> Array:
-        dt = x.dtype
-        gate = x @ self.gate_proj[...].astype(dt)
+        gate = project(x, self.gate_proj, 1)
         if self.activation == "silu":
             gate = jax.nn.silu(gate)
         else:
             gate = jax.nn.gelu(gate, approximate=self.activation == "gelu_tanh")
-        return (gate * (x @ self.up_proj[...].astype(dt))) @ self.down_proj[...].astype(dt)
+        return project(gate * project(x, self.up_proj, 1), self.down_proj, 1)
 
 
 class Block(nnx.Module):

@@ -1,0 +1,116 @@
+"""LoRA and QLoRA: identity at init, only adapters train, merging, quantization error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nonstop.models import ModelConfig, init_decoder, load_pretrained, save_pretrained
+from nonstop.models.lora import LoRAConfig, LoRAWeight, apply_lora, has_lora, merge_lora
+from nonstop.models.quantize import QuantConfig, QuantizedWeight, quantization_error, quantize_model
+from nonstop.train import TrainState, make_train_step
+
+CFG = ModelConfig.tiny("qwen3")
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TOKENS = jnp.asarray(np.random.RandomState(0).randint(3, 257, (4, 12)), jnp.int32)
+
+
+def _lm_loss(model, batch, rng):
+    logits, _ = model(batch)
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
+    return nll.sum(), jnp.asarray(nll.size, jnp.float32), {}
+
+
+def _train(model, steps, wrt=nnx.LoRAParam, lr=1e-2):
+    optimizer = optax.adam(lr)
+    state = TrainState.create(model, optimizer, rng=jax.random.key(0), wrt=wrt)
+    step = make_train_step(_lm_loss, optimizer)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, TOKENS)
+        losses.append(float(metrics["loss"]))
+    return state.model(), losses
+
+
+def test_zero_initialised_adapters_leave_outputs_unchanged():
+    base = init_decoder(CFG, seed=1)
+    expected, _ = base(TOKENS)
+    adapted = apply_lora(init_decoder(CFG, seed=1), LoRAConfig(rank=4, targets=ALL))
+    assert has_lora(adapted)
+    got, _ = adapted(TOKENS)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_only_adapters_change_and_merge_gives_adapted_logits(tmp_path):
+    model = apply_lora(init_decoder(CFG, seed=1), LoRAConfig(rank=4, alpha=8.0))
+    before = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+    trained, losses = _train(model, 5)
+    assert losses[-1] < losses[0]
+    after = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(trained))}
+    changed = {p for p in before if not np.array_equal(before[p], after[p])}
+    assert changed and all(p[-1] in ("lora_a", "lora_b") for p in changed)
+    assert any(p[-1] == "lora_b" for p in changed)
+    adapted_logits, _ = trained(TOKENS)
+    merged = merge_lora(trained)
+    assert not has_lora(merged)
+    merged_logits, _ = merged(TOKENS)
+    np.testing.assert_allclose(np.asarray(merged_logits), np.asarray(adapted_logits), atol=1e-5)
+    save_pretrained(merged, tmp_path)
+    exported, _ = load_pretrained(tmp_path)(TOKENS)
+    np.testing.assert_allclose(np.asarray(exported), np.asarray(adapted_logits), atol=1e-5)
+
+
+def test_adapter_forward_is_base_plus_scaled_low_rank_update():
+    model = apply_lora(init_decoder(CFG, seed=2), LoRAConfig(rank=3, alpha=6.0,
+                                                            targets=("o_proj",)))
+    w = model.layers[0].attn.o_proj
+    assert isinstance(w, LoRAWeight) and w.lora_a[...].shape == (4, 8, 3)
+    w.lora_b[...] = jax.random.normal(jax.random.key(1), w.lora_b[...].shape)
+    x = jax.random.normal(jax.random.key(2), (2, 5, 4, 8))
+    expected = jnp.einsum("btnh,nhd->btd", x, w.base[...] + 2.0 * jnp.einsum(
+        "nhr,rd->nhd", w.lora_a[...], w.lora_b[...]))
+    np.testing.assert_allclose(np.asarray(w(x)), np.asarray(expected), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,bound", [("int8", 0.01), ("nf4", 0.12)])
+def test_quantization_error_is_small(kind, bound):
+    w = jax.random.normal(jax.random.key(0), (44, 4, 8)) * 0.02
+    err = quantization_error(w, kind, n_in=1)
+    assert 0 < err < bound
+
+
+def test_nf4_codes_round_trip_exact_levels():
+    # Weights that are exactly NF4 levels times a block scale come back exactly.
+    levels = jnp.asarray(np.tile(np.linspace(0, 15, 16).astype(int), 8))
+    from nonstop.models.quantize import NF4_LEVELS
+    w = jnp.asarray(NF4_LEVELS)[levels].reshape(16, 8) * 0.5
+    q = QuantizedWeight(w, kind="nf4", n_in=1)
+    assert q.codes[...].dtype == jnp.uint8 and q.codes[...].shape == (2, 32)
+    np.testing.assert_allclose(np.asarray(q.dequantize(jnp.float32)), np.asarray(w), atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_qlora_trains_and_keeps_base_quantized(kind):
+    model = quantize_model(init_decoder(CFG, seed=3), QuantConfig(kind=kind))
+    model = apply_lora(model, LoRAConfig(rank=4, targets=ALL))
+    assert isinstance(model.layers[0].mlp.down_proj.base, QuantizedWeight)
+    trainable = nnx.state(model, nnx.LoRAParam)
+    assert all(p[-1] in ("lora_a", "lora_b") for p, _ in nnx.to_flat_state(trainable))
+    trained, losses = _train(model, 6)
+    assert losses[-1] < losses[0] - 0.05
+    merged = merge_lora(trained)
+    assert isinstance(merged.layers[0].mlp.down_proj, nnx.Param)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="rank must be positive"):
+        LoRAConfig(rank=0)
+    with pytest.raises(ValueError, match=r"lora targets \['wq'\]"):
+        LoRAConfig(targets=("wq",))
+    with pytest.raises(ValueError, match="quantization kind 'fp3'"):
+        QuantConfig(kind="fp3")
