@@ -1,0 +1,174 @@
+"""The optimisation half of every RL learner: scored trajectories in, optimizer steps out.
+
+`PolicyTrainer` owns the train state and one jitted step. Given a step's trajectories (already
+scored, with per-episode advantages), it packs them into fixed-shape `TrainBatch`es, computes
+the log-probs the algorithm needs before any update (old/proximal policy for μ > 1 or decoupled
+PPO, the reference policy for KL), then runs μ inner epochs of optimizer steps over the batches.
+The batch learner (`learner.py`) and the agentic streaming learner feed it; given the same
+trajectories in the same order they take exactly the same steps.
+
+The reference policy is a frozen copy of the initial trainable weights, or, when only LoRA
+adapters train, the same model with the adapters zeroed (no second copy of the base).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nonstop import perf
+from nonstop.models import Decoder
+from nonstop.rl.aggregation import aggregate
+from nonstop.rl.config import RLAlgorithmConfig
+from nonstop.rl.policy_loss import policy_loss
+from nonstop.rl.trajectory import Trajectory
+from nonstop.rl.value_loss import token_entropy
+from nonstop.train import (
+    OptimizerConfig,
+    PackedBatch,
+    PackingConfig,
+    TokenSequence,
+    TrainBatch,
+    TrainState,
+    build_optimizer,
+    build_schedule,
+    make_train_step,
+    pack_units,
+    target_mask,
+    token_logprobs,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicyTrainerConfig:
+    algorithm: RLAlgorithmConfig = RLAlgorithmConfig.grpo()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-5, schedule="constant")
+    packing: PackingConfig = PackingConfig(buckets=(64, 128, 256, 512), rows_per_batch=8)
+    inner_epochs: int = 1  # μ: passes over each step's batches
+    grad_accum_steps: int = 1
+    lora_only: bool = False  # train only nnx.LoRAParam (the reference is then adapters-off)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.inner_epochs < 1:
+            raise ValueError(f"inner_epochs must be >= 1, got {self.inner_epochs}")
+        if self.packing.rows_per_batch % self.grad_accum_steps:
+            raise ValueError(f"packing.rows_per_batch ({self.packing.rows_per_batch}) must be a "
+                             f"multiple of grad_accum_steps ({self.grad_accum_steps})")
+
+
+def trajectory_units(trajectories: Sequence[Trajectory]) -> list[tuple[TokenSequence]]:
+    """One packing unit per trajectory, its advantage broadcast onto its sampled tokens."""
+    units = []
+    for t in trajectories:
+        if t.advantage is None:
+            raise ValueError(f"episode {t.episode_id} has no advantage; score its group first")
+        adv = np.where(t.loss_mask, np.float32(t.advantage), np.float32(0.0))
+        units.append((TokenSequence(tokens=t.tokens, loss_mask=t.loss_mask, advantages=adv,
+                                    behavior_logprobs=t.behavior_logprobs,
+                                    origin=f"episode {t.episode_id}"),))
+    return units
+
+
+class PolicyTrainer:
+    """Train state, the jitted RL step, and the log-prob passes it needs."""
+
+    def __init__(self, model: Decoder, cfg: PolicyTrainerConfig) -> None:
+        self.cfg = cfg
+        self.algorithm = cfg.algorithm
+        self.max_segments = cfg.packing.max_segments_per_row
+        self._schedule = build_schedule(cfg.optimizer)
+        optimizer = build_optimizer(cfg.optimizer)
+        wrt = nnx.LoRAParam if cfg.lora_only else nnx.Param
+        self.state = TrainState.create(model, optimizer, rng=jax.random.key(cfg.seed), wrt=wrt)
+        self._step = make_train_step(self._loss, optimizer, learning_rate=self._schedule,
+                                     grad_accum_steps=cfg.grad_accum_steps)
+        self._logprobs = jax.jit(self._logprob_pass)
+        kl = self.algorithm.kl
+        self.needs_reference = kl.coef > 0
+        self._reference_params = None
+        if self.needs_reference:
+            params = self.state.params
+            self._reference_params = (jax.tree.map(jnp.zeros_like, params) if cfg.lora_only
+                                      else jax.tree.map(jnp.copy, params))
+        correction = self.algorithm.policy_loss.off_policy.correction
+        self.needs_old = cfg.inner_epochs > 1 or correction == "decoupled"
+        self.steps_taken = 0
+
+    # ---- pure functions (jitted) ---------------------------------------------------------------
+
+    def _loss(self, model: Decoder, batch: TrainBatch, rng: jax.Array):
+        logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
+        logp = token_logprobs(logits, batch.tokens)
+        mask = target_mask(batch.loss_mask, batch.segment_ids)
+        out = policy_loss(logp, advantages=batch.advantages,
+                          behavior_logprobs=batch.behavior_logprobs, loss_mask=mask,
+                          segment_ids=batch.segment_ids, config=self.algorithm.policy_loss,
+                          max_segments=self.max_segments, old_logprobs=batch.old_logprobs,
+                          ref_logprobs=batch.ref_logprobs)
+        numerator = out.terms.numerator
+        # The step reports the accumulated loss itself; keep the per-batch value under its own name.
+        metrics = {("policy_loss" if k == "loss" else k): v for k, v in out.metrics.items()}
+        if self.algorithm.entropy_coef > 0:
+            ent = aggregate(token_entropy(logits), mask, batch.segment_ids,
+                            mode=self.algorithm.policy_loss.aggregation,
+                            max_segments=self.max_segments,
+                            max_len_norm=self.algorithm.policy_loss.max_len_norm)
+            numerator = numerator - self.algorithm.entropy_coef * ent.numerator
+            metrics["entropy"] = ent.value()
+        return numerator, out.terms.denominator, metrics
+
+    def _logprob_pass(self, params: nnx.State, frozen: nnx.State, batch: TrainBatch) -> jax.Array:
+        model = nnx.merge(self.state.graphdef, params, frozen)
+        logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
+        return token_logprobs(logits, batch.tokens)
+
+    # ---- host side -----------------------------------------------------------------------------
+
+    def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
+        return list(pack_units(trajectory_units(trajectories), self.cfg.packing))
+
+    def _with_logprobs(self, packed: PackedBatch) -> TrainBatch:
+        batch = jax.tree.map(jnp.asarray, packed.batch)
+        changes: dict[str, Any] = {}
+        if self.needs_old:
+            changes["old_logprobs"] = self._logprobs(self.state.params, self.state.frozen, batch)
+        if self.needs_reference:
+            changes["ref_logprobs"] = self._logprobs(self._reference_params, self.state.frozen,
+                                                     batch)
+        return dataclasses.replace(batch, **changes) if changes else batch
+
+    def train(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """μ epochs of optimizer steps over the trajectories; returns the mean of the metrics."""
+        if not trajectories:
+            raise ValueError("train() needs at least one trajectory")
+        packed = self.pack(trajectories)
+        with perf.span(perf.TRAIN_DATA_WAIT, stage="logprobs"):
+            batches = [self._with_logprobs(p) for p in packed]
+        collected: list[dict[str, jax.Array]] = []
+        for _ in range(self.cfg.inner_epochs):
+            for batch in batches:
+                with perf.span(perf.TRAIN_STEP, step=self.steps_taken):
+                    with perf.device_busy(perf.TRAINER):
+                        self.state, metrics = self._step(self.state, batch)
+                        jax.block_until_ready(metrics)
+                self.steps_taken += 1
+                collected.append(metrics)
+        perf.count(perf.TRAIN_TOKENS, int(sum(p.stats.real_tokens for p in packed)))
+        out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+        out["optimizer_steps"] = float(len(collected))
+        out["packed_rows"] = float(sum(p.stats.rows_used for p in packed))
+        return out
+
+    def model(self) -> Decoder:
+        return self.state.model()
+
+    def policy_params(self) -> nnx.State:
+        """The full parameter state an engine needs (trainable merged with frozen)."""
+        return nnx.state(self.state.model(), nnx.Param)
