@@ -25,6 +25,14 @@ from nonstop.rl.aggregation import (
     segment_token_counts,
     segments_to_tokens,
 )
+from nonstop.rl.answers import (
+    MathBackend,
+    extract_answer,
+    extract_boxed,
+    math_equal,
+    number_in,
+    parse_number,
+)
 from nonstop.rl.config import (
     PRESETS,
     AdvantageConfig,
@@ -50,14 +58,6 @@ from nonstop.rl.policy_loss import (
     clipped_surrogate,
     importance_ratio,
     policy_loss,
-)
-from nonstop.rl.answers import (
-    MathBackend,
-    extract_answer,
-    extract_boxed,
-    math_equal,
-    number_in,
-    parse_number,
 )
 from nonstop.rl.rewards import (
     Example,
