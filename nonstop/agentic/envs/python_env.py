@@ -1,0 +1,139 @@
+"""Tasks solved by writing Python: a `python` tool runs the model's code in the Sandbox.
+
+The tasks are small computations with one integer answer ("How many primes are there below 97?"),
+drawn from a seed, each with reference code for its demonstration; the reward is 1 when the final
+answer's last number is right. The tool reports stdout, stderr (tracebacks), a non-zero exit code
+and a kill (timeout, CPU, output) to the model as text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
+from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
+from nonstop.agentic.tools import Tool, ToolSet
+from nonstop.models.chat import Message, ToolCall
+
+# (question, reference code) templates; the code prints the answer.
+_TEMPLATES = (
+    ("What is the sum of the squares of the integers from 1 to {n}?",
+     "print(sum(i * i for i in range(1, {n} + 1)))"),
+    ("How many primes are there below {n}?",
+     "print(sum(all(k % d for d in range(2, int(k ** 0.5) + 1)) for k in range(2, {n})))"),
+    ("What is {a} to the power {b} modulo {m}?", "print(pow({a}, {b}, {m}))"),
+    ("What is the {n}th Fibonacci number, with F(1) = F(2) = 1?",
+     "a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, a + b\nprint(a)"),
+    ("How many integers from 1 to {n} are divisible by 3 or 7?",
+     "print(sum(1 for i in range(1, {n} + 1) if i % 3 == 0 or i % 7 == 0))"),
+)  # fmt: skip
+
+
+def format_result(result: SandboxResult) -> str:
+    """The tool output the model sees for one run."""
+    parts = [result.stdout] if result.stdout else []
+    if result.stderr:
+        parts.append(f"stderr:\n{result.stderr}")
+    if result.killed_reason == "timeout":
+        parts.append(f"[killed: timed out after {result.duration_s:.1f}s]")
+    elif result.killed_reason is not None:
+        parts.append(f"[killed: {result.killed_reason}]")
+    elif result.exit_code:
+        parts.append(f"[exit code {result.exit_code}]")
+    return "\n".join(parts) if parts else "[no output]"
+
+
+def python_tool(sandbox: Sandbox, *, timeout_s: float = 60.0) -> Tool:
+    """A `python(code)` tool; `timeout_s` covers waiting for a sandbox slot plus the run."""
+
+    async def python(code: str) -> str:
+        return format_result(await sandbox.run(code))
+
+    return Tool(
+        python,
+        name="python",
+        description="Run a Python 3 script (standard library only) and return what it prints.",
+        parameters={
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the script"}},
+            "required": ["code"],
+        },
+        timeout_s=timeout_s,
+        max_output_chars=4096,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PythonEnvConfig:
+    max_n: int = 60
+    max_turns: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_n < 10:
+            raise ValueError(f"PythonEnvConfig.max_n must be >= 10, got {self.max_n}")
+        if self.max_turns < 1:
+            raise ValueError(f"PythonEnvConfig.max_turns must be >= 1, got {self.max_turns}")
+
+
+def reference_answer(code: str) -> str:
+    """Run reference code in-process (it is ours, not the model's) and return what it prints."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})
+    return out.getvalue().strip()
+
+
+def make_task(rng: random.Random, config: PythonEnvConfig) -> Task:
+    question, code = rng.choice(_TEMPLATES)
+    values = {"n": rng.randint(10, config.max_n), "a": rng.randint(2, 99),
+              "b": rng.randint(10, 999), "m": rng.randint(7, 997)}  # fmt: skip
+    code = code.format(**values)
+    return Task(prompt=question.format(**values), answer=reference_answer(code),
+                info={"code": code})  # fmt: skip
+
+
+_SHARED: Sandbox | None = None
+
+
+def shared_sandbox() -> Sandbox:
+    """One process-wide Sandbox (its semaphore bounds concurrency across all PythonEnvs)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = Sandbox(SandboxConfig())
+    return _SHARED
+
+
+class PythonEnv(ToolEnvironment):
+    system_prompt = "Use the python tool to compute the answer, then give the final number."
+
+    def __init__(
+        self,
+        config: PythonEnvConfig | None = None,
+        *,
+        sandbox: Sandbox | None = None,
+        tools: ToolSet | None = None,
+    ):
+        self.config = config or PythonEnvConfig()
+        self.sandbox = sandbox or shared_sandbox()
+        super().__init__(
+            tools=tools or ToolSet([python_tool(self.sandbox)]),
+            reward_fn=numeric_reward,
+            max_turns=self.config.max_turns,
+        )
+
+    def sample_task(self, seed: int) -> Task:
+        return make_task(random.Random(seed), self.config)
+
+    def demonstration(self, task: Task) -> list[Message]:
+        call = ToolCall(name="python", arguments={"code": task.info["code"]}, id="call_0")
+        return [
+            Message.system(self.system_prompt),
+            Message.user(task.prompt),
+            Message.assistant(tool_calls=[call]),
+            Message.tool(task.answer + "\n", tool_call_id="call_0", name="python"),
+            Message.assistant(task.answer),
+        ]
