@@ -8,6 +8,8 @@
         perf.count(perf.ENGINE_TOKENS, 64)
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, 5)
 
+    print(perf.build_report(run_dir).text())         # or `nonstop report RUN_DIR`
+
 Importing this package does not import jax.
 """
 
@@ -36,6 +38,14 @@ from nonstop.perf.recorder import (
     finish_run,
     run,
     start_run,
+)
+from nonstop.perf.report import (
+    EpisodeTime,
+    Report,
+    RoleTime,
+    attribute_episodes,
+    attribute_role,
+    build_report,
 )
 from nonstop.perf.scalars import read_metrics
 from nonstop.perf.spans import Span, count, current_span_id, device_busy, gauge, span
@@ -74,6 +84,7 @@ from nonstop.perf.stages import (
     Stage,
     role_of,
 )
+from nonstop.perf.timeline import Timeline, render_timeline, write_png
 from nonstop.perf.trace import Trace, TraceError, load_trace, write_trace
 from nonstop.perf.xprof import StepCapture, capture_steps
 
@@ -109,6 +120,7 @@ __all__ = [
     "TRAIN_STEP",
     "TRAIN_TOKENS",
     "TRAIN_WEIGHT_SYNC",
+    "EpisodeTime",
     "Event",
     "EventLog",
     "Figures",
@@ -116,14 +128,20 @@ __all__ = [
     "IdleBreakdown",
     "PerfConfig",
     "Recorder",
+    "Report",
+    "RoleTime",
     "RunFiles",
     "Span",
     "Stage",
     "StageStats",
     "StepCapture",
+    "Timeline",
     "Trace",
     "TraceError",
     "active_run_dir",
+    "attribute_episodes",
+    "attribute_role",
+    "build_report",
     "busy_fraction",
     "capture_steps",
     "configure",
@@ -141,11 +159,13 @@ __all__ = [
     "rate",
     "read_events",
     "read_metrics",
+    "render_timeline",
     "role_of",
     "run",
     "span",
     "stage_stats",
     "start_run",
     "summarize",
+    "write_png",
     "write_trace",
 ]
