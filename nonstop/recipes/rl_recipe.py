@@ -1,0 +1,226 @@
+"""The single-turn RL recipe behind `nonstop rl`: a task, a model, an optional SFT warm-up on the
+task's demonstrations, then the batch learner with the algorithm chosen by name.
+
+    cfg = load_config(RLRunConfig, "nonstop/recipes/configs/grpo_arithmetic.yaml", overrides)
+    summary = run_rl(cfg)
+
+The run directory gets `config.yaml`, `metrics.jsonl` (one line per step, eval rewards
+included), TensorBoard scalars, the perf trace, and Orbax checkpoints; a run started again on the
+same directory resumes from its last checkpoint and continues the same reward curve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from nonstop import perf
+from nonstop.engine import Engine
+from nonstop.models import (
+    ModelConfig,
+    Tokenizer,
+    init_decoder,
+    load_pretrained,
+)
+from nonstop.models.lora import LoRAConfig, apply_lora
+from nonstop.recipes.char_tokenizer import char_tokenizer
+from nonstop.recipes.config_io import dump_config
+from nonstop.recipes.tasks import ArithmeticTask, CountdownTask, Gsm8kTask, Task
+from nonstop.recipes.warmup import WarmupConfig, supervised_warmup
+from nonstop.rl import RLAlgorithmConfig
+from nonstop.rl.learner import Learner, LearnerConfig, RolloutConfig
+from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
+from nonstop.rl.rewards import Example
+from nonstop.sft.config import CheckpointSettings, ModelSource, TokenizerSource
+from nonstop.train import (
+    CheckpointConfig,
+    Checkpointer,
+    MetricsConfig,
+    MetricsWriter,
+    OptimizerConfig,
+    PackingConfig,
+)
+
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo"]
+TaskName = Literal["arithmetic", "countdown", "gsm8k"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSettings:
+    name: TaskName = "arithmetic"
+    digits: int = 2
+    ops: tuple[str, ...] = ("+",)
+    numbers: int = 3  # countdown
+    path: str | None = None  # gsm8k: a local JSONL or Parquet file
+    num_eval: int = 128
+
+    def __post_init__(self) -> None:
+        if self.name == "gsm8k" and not self.path:
+            raise ValueError("task.name=gsm8k needs task.path=/path/to/train.jsonl (or .parquet)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    max_slots: int = 64
+    max_len: int = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLRunConfig:
+    """Everything one `nonstop rl` run needs; the algorithm is chosen by name."""
+
+    algorithm: AlgorithmName = "grpo"
+    kl_coef: float | None = None  # None: the algorithm's default
+    run_dir: str = "runs/rl"
+    seed: int = 0
+    steps: int = 60
+    eval_every: int = 10
+    model: ModelSource = ModelSource(family="qwen3")
+    tokenizer: TokenizerSource = TokenizerSource(kind="char")
+    lora: LoRAConfig | None = None
+    task: TaskSettings = TaskSettings()
+    warmup: WarmupConfig = WarmupConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-4, schedule="constant",
+                                                 weight_decay=0.0)
+    packing: PackingConfig = PackingConfig(buckets=(64, 128, 256, 512), rows_per_batch=16,
+                                           max_segments_per_row=16)
+    inner_epochs: int = 1
+    max_sampling_rounds: int = 4
+    on_no_variance: Literal["skip", "stop"] = "skip"
+    reward_on_error: Literal["skip", "zero", "raise"] = "skip"
+    engine: EngineSettings = EngineSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings(save_every=20)
+
+    def algorithm_config(self) -> RLAlgorithmConfig:
+        algorithm = getattr(RLAlgorithmConfig, self.algorithm)()
+        if self.kl_coef is not None:
+            kl = dataclasses.replace(algorithm.policy_loss.kl, coef=self.kl_coef)
+            algorithm = dataclasses.replace(
+                algorithm, policy_loss=dataclasses.replace(algorithm.policy_loss, kl=kl))
+        return algorithm
+
+
+def build_task(cfg: TaskSettings) -> Task:
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(digits=cfg.digits, ops=cfg.ops)
+    if cfg.name == "countdown":
+        return CountdownTask(numbers=cfg.numbers)
+    return Gsm8kTask.from_file(cfg.path)
+
+
+def build_tokenizer(cfg: RLRunConfig) -> Tokenizer:
+    if cfg.tokenizer.kind == "char":
+        return char_tokenizer(cfg.tokenizer.chat_format)
+    path = cfg.tokenizer.path or cfg.model.path
+    if path is None:
+        raise ValueError("tokenizer.kind=pretrained needs tokenizer.path or model.path")
+    return Tokenizer.from_pretrained(path)
+
+
+def build_model(cfg: RLRunConfig, tokenizer: Tokenizer):
+    source = cfg.model
+    if source.kind == "checkpoint":
+        model = load_pretrained(source.path)
+    else:
+        special = dict(bos_token_id=tokenizer.bos_id, eos_token_ids=tokenizer.eos_ids,
+                       pad_token_id=tokenizer.pad_id)
+        if source.kind == "preset":
+            model_cfg = ModelConfig.preset(source.preset).replace(**source.tiny_overrides())
+        else:
+            model_cfg = ModelConfig.tiny(source.family, **{"vocab_size": tokenizer.vocab_size,
+                                                           **special, **source.tiny_overrides()})
+        model = init_decoder(model_cfg, seed=cfg.seed)
+    if model.cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"the model's vocab_size ({model.cfg.vocab_size}) is smaller than the "
+                         f"tokenizer's ({tokenizer.vocab_size})")
+    return model
+
+
+class CountingIterator:
+    """An example stream that knows how many examples it has handed out (for resume)."""
+
+    def __init__(self, it: Iterator[Example], skip: int = 0) -> None:
+        self._it = it
+        self.consumed = 0
+        for _ in range(skip):
+            next(self)
+
+    def __iter__(self) -> CountingIterator:
+        return self
+
+    def __next__(self) -> Example:
+        self.consumed += 1
+        return next(self._it)
+
+
+def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Train; returns the eval reward before and after RL and the per-step history."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    task = build_task(cfg.task)
+    tokenizer = build_tokenizer(cfg)
+    eval_examples = task.eval_examples(cfg.task.num_eval, seed=cfg.seed + 1)
+    with perf.run(run_dir / "perf"):
+        model = build_model(cfg, tokenizer)
+        checkpointer = Checkpointer(CheckpointConfig(
+            directory=str(run_dir / "checkpoints"), save_every=cfg.checkpoint.save_every,
+            keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save))
+        resuming = checkpointer.latest_step() is not None
+        if cfg.warmup.steps and not resuming:
+            model = supervised_warmup(model, tokenizer, task, cfg.warmup, seed=cfg.seed)
+        if cfg.lora is not None:
+            model = apply_lora(model, cfg.lora, seed=cfg.seed)
+        trainer = PolicyTrainer(model, PolicyTrainerConfig(
+            algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
+            inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None, seed=cfg.seed))
+        start_step, consumed = 0, 0
+        if resuming:
+            restored = checkpointer.restore(trainer.state)
+            trainer.state = restored.state
+            start_step = int(restored.step)
+            consumed = int(restored.data_state["examples_consumed"])
+        examples = CountingIterator(task.iter_examples("train", cfg.seed), skip=consumed)
+        writer = MetricsWriter(run_dir, MetricsConfig(progress_bar=progress),
+                               total_steps=cfg.steps, resume_step=start_step or None)
+        learner_cfg = LearnerConfig(rollout=cfg.rollout, steps=cfg.steps,
+                                    eval_every=cfg.eval_every,
+                                    max_sampling_rounds=cfg.max_sampling_rounds,
+                                    on_no_variance=cfg.on_no_variance,
+                                    reward_on_error=cfg.reward_on_error, seed=cfg.seed)
+
+        def on_step(step: int, metrics: dict[str, Any]) -> None:
+            writer.write(step, {k: v for k, v in metrics.items()
+                                if isinstance(v, int | float) and k != "step"})
+            if checkpointer.should_save(step) or step == cfg.steps:
+                writer.flush()
+                with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+                    checkpointer.save(step, trainer.state,
+                                      data_state={"examples_consumed": examples.consumed})
+
+        started = time.perf_counter()
+        with Engine(trainer.model(), max_slots=cfg.engine.max_slots,
+                    max_len=cfg.engine.max_len, tokenizer=tokenizer,
+                    policy_version=start_step) as engine:
+            learner = Learner(trainer, engine, tokenizer, examples, task.reward, learner_cfg,
+                              on_step=on_step)
+            learner.step = start_step
+            before = asyncio.run(learner.evaluate(eval_examples))
+            history = asyncio.run(learner.run(eval_examples))
+        checkpointer.wait()
+        checkpointer.close()
+        writer.close()
+    evals = [h["eval_reward"] for h in history if "eval_reward" in h]
+    return {"eval_before": before, "eval_after": evals[-1] if evals else before,
+            "history": history, "seconds": time.perf_counter() - started,
+            "failures": learner.failures, "run_dir": str(run_dir)}
+
+
+__all__ = ["EngineSettings", "RLRunConfig", "TaskSettings", "build_task", "run_rl"]

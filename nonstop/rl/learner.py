@@ -1,0 +1,261 @@
+"""The batch RL learner: prompts → engine rollouts (G per prompt) → rewards → advantages →
+packed train steps (μ inner epochs) → weight update to the engine.
+
+This is the synchronous baseline: every step collects its groups, then trains, then syncs the
+engine's weights. Rollouts still run concurrently inside a step (all G·P requests are in the
+engine at once). Dynamic sampling (DAPO) drops groups whose rewards are all equal and samples
+more prompts, up to `max_sampling_rounds`, then applies `on_no_variance`. A reward that fails
+or returns NaN follows `reward_on_error` (see `evaluate_rewards`): invalid episodes are dropped
+and counted, so nothing non-finite ever reaches the loss.
+
+Every request's seed is derived from (seed, step, episode), so a run resumed from a checkpoint
+draws the same samples as the uninterrupted run and continues the same reward curve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+from nonstop import perf
+from nonstop.engine import Engine, SamplingParams
+from nonstop.models import Conversation, Message, Tokenizer
+from nonstop.rl.advantages import episode_advantages, overlong_penalty
+from nonstop.rl.policy_trainer import PolicyTrainer
+from nonstop.rl.rewards import Example, OnError, Reward, evaluate_rewards
+from nonstop.rl.trajectory import Trajectory
+
+PromptFormat = Literal["raw", "chat"]
+
+
+class NoVarianceError(RuntimeError):
+    """Dynamic sampling found no group with reward variance within its limit."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    group_size: int = 8  # G
+    prompts_per_step: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    prompt_format: PromptFormat = "raw"
+    add_bos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-relative advantages, "
+                             f"got {self.group_size}")
+        if self.prompts_per_step < 1 or self.max_new_tokens < 1:
+            raise ValueError("prompts_per_step and max_new_tokens must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    rollout: RolloutConfig = RolloutConfig()
+    steps: int = 100
+    max_sampling_rounds: int = 4  # dynamic sampling: extra rounds of prompts per step
+    on_no_variance: Literal["skip", "stop"] = "skip"
+    reward_on_error: OnError = "skip"
+    eval_every: int = 0  # steps between greedy held-out evaluations (0: only start and end)
+    seed: int = 0
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, fmt: PromptFormat, add_bos: bool) -> list[int]:
+    """The token ids the engine is given for a prompt."""
+    if fmt == "chat":
+        conversation = Conversation(tokenizer)
+        conversation.append_messages([Message.user(prompt)])
+        return list(conversation.generation_prompt_tokens())
+    ids = tokenizer.encode(prompt)
+    return ([tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []) + ids
+
+
+@dataclasses.dataclass
+class StepStats:
+    groups_kept: int = 0
+    groups_dropped_no_variance: int = 0
+    episodes_invalid: int = 0
+    sampling_rounds: int = 0
+
+
+class Learner:
+    """Synchronous GRPO-family learner over a stream of `Example`s scored by one `Reward`."""
+
+    def __init__(self, trainer: PolicyTrainer, engine: Engine, tokenizer: Tokenizer,
+                 examples: Iterator[Example], reward: Reward, cfg: LearnerConfig, *,
+                 on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
+        self.trainer = trainer
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.examples = examples
+        self.reward = reward
+        self.cfg = cfg
+        self.on_step = on_step
+        self.step = 0
+        self.failures: dict[str, int] = {}
+        self._episode_ids = itertools.count()
+
+    # ---- rollouts ------------------------------------------------------------------------------
+
+    def _sampling(self, seed: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_tokens=r.max_new_tokens,
+                              stop_token_ids=tuple(self.tokenizer.eos_ids), seed=seed)
+
+    async def _rollout_groups(self, examples: Sequence[Example], first_group: int,
+                              seed_base: int) -> list[list[Trajectory]]:
+        r = self.cfg.rollout
+        prompts = [encode_prompt(self.tokenizer, e.prompt, r.prompt_format, r.add_bos)
+                   for e in examples]
+        requests = []
+        for g, prompt in enumerate(prompts):
+            for i in range(r.group_size):
+                seed = seed_base + g * r.group_size + i
+                requests.append(self.engine.generate(prompt, self._sampling(seed)))
+        completions = await asyncio.gather(*requests)
+        groups: list[list[Trajectory]] = []
+        for g, prompt in enumerate(prompts):
+            group = []
+            for i in range(r.group_size):
+                c = completions[g * r.group_size + i]
+                group.append(Trajectory.from_completion(
+                    prompt, c.tokens, c.logprobs, c.policy_versions, group_id=first_group + g,
+                    episode_id=next(self._episode_ids), finish_reason=c.finish_reason))
+            groups.append(group)
+        return groups
+
+    def completion_text(self, t: Trajectory) -> str:
+        ids = [int(x) for x in t.tokens[t.prompt_length:] if int(x) not in self.tokenizer.eos_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _score(self, groups: list[list[Trajectory]], examples: Sequence[Example],
+                     stats: StepStats) -> list[list[Trajectory]]:
+        """Rewards, overlong shaping and advantages; drops invalid episodes and flat groups."""
+        flat = [t for g in groups for t in g]
+        ex = [examples[i] for i, g in enumerate(groups) for _ in g]
+        result = await evaluate_rewards(self.reward, [e.prompt for e in ex],
+                                        [self.completion_text(t) for t in flat], ex,
+                                        on_error=self.cfg.reward_on_error)
+        for (name, reason), n in result.failure_counts.items():
+            key = f"{name}/{reason}"
+            self.failures[key] = self.failures.get(key, 0) + n
+        rewards = np.asarray(result.rewards, np.float32)
+        algorithm = self.trainer.algorithm
+        if algorithm.overlong is not None:
+            lengths = np.asarray([t.num_sampled for t in flat], np.float32)
+            rewards = rewards + np.asarray(overlong_penalty(jnp.asarray(lengths),
+                                                            algorithm.overlong))
+        for t, r, ok in zip(flat, rewards, result.valid, strict=True):
+            t.reward = float(r)
+            t.info["reward_valid"] = bool(ok)
+        kept = []
+        for group in groups:
+            valid = [t for t in group if t.info["reward_valid"]]
+            stats.episodes_invalid += len(group) - len(valid)
+            if len(valid) < 2:
+                continue
+            values = np.asarray([t.reward for t in valid], np.float32)
+            if algorithm.dynamic_sampling and np.all(values == values[0]):
+                stats.groups_dropped_no_variance += 1
+                continue
+            estimator = algorithm.advantage.estimator
+            if estimator == "gae":
+                raise NotImplementedError(
+                    "PPO's GAE advantages need a value model, which the batch learner does not "
+                    "have yet; use grpo, dr_grpo, dapo, gspo, gspo_token or rloo")
+            adv = episode_advantages(jnp.asarray(values), jnp.zeros(len(valid), jnp.int32),
+                                     num_groups=1, estimator=estimator,
+                                     std_eps=algorithm.advantage.std_eps)
+            for t, a in zip(valid, np.asarray(adv), strict=True):
+                t.advantage = float(a)
+            kept.append(valid)
+        return kept
+
+    async def collect(self, step: int) -> tuple[list[list[Trajectory]], StepStats]:
+        """This step's scored groups (dynamic sampling tops them up to prompts_per_step)."""
+        r = self.cfg.rollout
+        stats = StepStats()
+        kept: list[list[Trajectory]] = []
+        rounds = 1 + (self.cfg.max_sampling_rounds if self.trainer.algorithm.dynamic_sampling
+                      else 0)
+        for round_ in range(rounds):
+            need = r.prompts_per_step - len(kept)
+            if need <= 0:
+                break
+            examples = [next(self.examples) for _ in range(need)]
+            seed_base = (self.cfg.seed * 1_000_003 + step * 10_007 + round_ * 1_009) * 4096
+            with perf.span(perf.ROLLOUT_QUEUE_WAIT, step=step, stage="collect"):
+                groups = await self._rollout_groups(examples, step * 1000 + round_ * 100,
+                                                    seed_base)
+            with perf.span(perf.ROLLOUT_REWARD, step=step):
+                kept += await self._score(groups, examples, stats)
+            stats.sampling_rounds = round_ + 1
+        stats.groups_kept = len(kept)
+        if not kept and self.cfg.on_no_variance == "stop":
+            raise NoVarianceError(
+                f"step {step}: no group had reward variance after {stats.sampling_rounds} rounds "
+                f"of {r.prompts_per_step} prompts ({stats.groups_dropped_no_variance} flat groups,"
+                f" {stats.episodes_invalid} invalid episodes); raise max_sampling_rounds, "
+                "group_size or temperature, or set on_no_variance=skip")
+        return kept, stats
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
+    async def evaluate(self, examples: Sequence[Example]) -> float:
+        """Mean reward of greedy completions on held-out examples."""
+        r = self.cfg.rollout
+        prompts = [encode_prompt(self.tokenizer, e.prompt, r.prompt_format, r.add_bos)
+                   for e in examples]
+        params = SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens,
+                                stop_token_ids=tuple(self.tokenizer.eos_ids))
+        with perf.span(perf.TRAIN_EVAL, step=self.step):
+            completions = await asyncio.gather(*[self.engine.generate(p, params)
+                                                 for p in prompts])
+            texts = [self.tokenizer.decode([t for t in c.tokens if t not in self.tokenizer.eos_ids],
+                                           skip_special_tokens=True) for c in completions]
+            result = await evaluate_rewards(self.reward, [e.prompt for e in examples], texts,
+                                            list(examples), on_error="zero")
+        return float(np.mean(result.rewards))
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        with perf.span(perf.TRAIN_WEIGHT_SYNC, step=self.step):
+            self.engine.update_weights(self.trainer.policy_params(), self.step)
+
+    async def train_step(self) -> dict[str, Any]:
+        groups, stats = await self.collect(self.step)
+        episodes = [t for g in groups for t in g]
+        metrics: dict[str, Any] = {"step": self.step, **dataclasses.asdict(stats)}
+        if episodes:
+            rewards = [t.reward for t in episodes]
+            metrics.update(reward_mean=float(np.mean(rewards)),
+                           completion_tokens=float(np.mean([t.num_sampled for t in episodes])))
+            metrics.update(self.trainer.train(episodes))
+        self.step += 1
+        self.sync_weights()
+        if self.on_step is not None:
+            self.on_step(self.step, metrics)
+        return metrics
+
+    async def run(self, eval_examples: Sequence[Example] = ()) -> list[dict[str, Any]]:
+        history = []
+        if eval_examples:
+            history.append({"step": self.step, "eval_reward": await self.evaluate(eval_examples)})
+        while self.step < self.cfg.steps:
+            metrics = await self.train_step()
+            every = self.cfg.eval_every
+            last = self.step == self.cfg.steps
+            if eval_examples and ((every and self.step % every == 0) or last):
+                metrics["eval_reward"] = await self.evaluate(eval_examples)
+            history.append(metrics)
+        return history
