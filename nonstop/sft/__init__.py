@@ -1,5 +1,6 @@
 """Supervised and preference tuning: SFT, DPO and ORPO losses and their data pipelines."""
 
+from nonstop.sft.config import SFTRunConfig  # noqa: E402
 from nonstop.sft.data import (
     EXAMPLE_KINDS,
     DataConfig,
@@ -24,8 +25,12 @@ from nonstop.sft.losses import (
     preference_pairs,
     sequence_logprobs,
 )
+from nonstop.sft.trainer import RunResult, train  # noqa: E402
 
 __all__ = [
+    "RunResult",
+    "SFTRunConfig",
+    "train",
     "EXAMPLE_KINDS",
     "DPOConfig",
     "DPOMetrics",

@@ -1,0 +1,286 @@
+"""Engine benchmark (BENCHMARKS.md §3): continuous batching against transformers' static batches.
+
+Model: random Llama-style decoder, 8 layers, width 512, 8 heads, 4 KV heads, ffw 1408, vocab
+8192 (about 32M parameters), float32; saved with `save_pretrained` and loaded by transformers
+and by `load_pretrained` (checked equal), so both run the same weights.
+Workload: 256 requests, prompt lengths uniform 16-256, output lengths uniform 8-256 (greedy,
+end-of-sequence ignored: every request generates exactly its output length), arriving all at
+once and as a Poisson stream (rate: 0.8 x the all-at-once throughput of the engine).
+Baseline: transformers `generate` in static batches of 32 in arrival order (left-padded, greedy,
+each batch runs to its longest request; a batch starts when its last request has arrived and
+the previous batch is done). Both count only the tokens each request asked for.
+Figures: generated tokens/s, time to first token p50/p99, and the engine's decode step (all
+slots busy) against its matmul-only floor (the same step's projections, MLPs and head, no
+attention, no cache, no sampling). Medians over --repeats; compiles after warm-up are counted.
+
+    python -m bench.engine [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nonstop.engine import Engine, SamplingParams
+from nonstop.models import ModelConfig, init_decoder, load_pretrained, save_pretrained
+
+CONFIG = ModelConfig(family="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408,
+                     num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+                     max_position_embeddings=1024)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    prompts: list[list[int]]
+    outputs: list[int]
+    max_len: int
+
+    @classmethod
+    def make(cls, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+             seed: int = 0) -> Workload:
+        rng = np.random.default_rng(seed)
+        lens = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+        outs = rng.integers(output_range[0], output_range[1] + 1, n)
+        prompts = [rng.integers(3, CONFIG.vocab_size, k).tolist() for k in lens]
+        return cls(prompts=prompts, outputs=outs.tolist(),
+                   max_len=prompt_range[1] + output_range[1])
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.outputs)
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 1) -> np.ndarray:
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+
+
+def _percentiles(values: list[float]) -> tuple[float, float]:
+    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+
+
+def run_engine(engine: Engine, work: Workload, arrivals: np.ndarray | None) -> dict[str, float]:
+    futures = []
+    t0 = time.perf_counter()
+    for i, (prompt, out) in enumerate(zip(work.prompts, work.outputs, strict=True)):
+        if arrivals is not None:
+            delay = t0 + arrivals[i] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        futures.append(engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=out)))
+    completions = [f.result() for f in futures]
+    wall = time.perf_counter() - t0
+    assert [len(c.tokens) for c in completions] == work.outputs
+    p50, p99 = _percentiles([c.first_token_s for c in completions])
+    return {"tokens_per_s": work.tokens / wall, "wall_s": wall, "ttft_p50_s": p50,
+            "ttft_p99_s": p99}
+
+
+class _FirstToken:
+    """A transformers streamer that notes when the first generated tokens arrive."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: object) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(hf: object, work: Workload, arrivals: np.ndarray | None,
+                     batch: int = 32) -> dict[str, float]:
+    import torch
+
+    t0 = time.perf_counter()
+    ttft: list[float] = []
+    for start in range(0, len(work.prompts), batch):
+        idx = list(range(start, min(start + batch, len(work.prompts))))
+        if arrivals is not None:
+            delay = t0 + arrivals[idx[-1]] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        longest = max(len(work.prompts[i]) for i in idx)
+        ids = torch.zeros((len(idx), longest), dtype=torch.long)
+        mask = torch.zeros((len(idx), longest), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = work.prompts[i]
+            ids[row, longest - len(p):] = torch.tensor(p)
+            mask[row, longest - len(p):] = 1
+        new = max(work.outputs[i] for i in idx)
+        streamer = _FirstToken()
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, streamer=streamer)
+        assert out.shape[1] == longest + new
+        arrived = [0.0 if arrivals is None else arrivals[i] for i in idx]
+        ttft += [streamer.first - t0 - a for a in arrived]
+    wall = time.perf_counter() - t0
+    p50, p99 = _percentiles(ttft)
+    return {"tokens_per_s": work.tokens / wall, "wall_s": wall, "ttft_p50_s": p50,
+            "ttft_p99_s": p99}
+
+
+def matmul_floor(model: nnx.Module, slots: int) -> float:
+    """Seconds per call of the decode step's matmuls alone (no attention, cache or sampling)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def floor(state: nnx.State, x: jax.Array) -> jax.Array:
+        m = nnx.merge(graphdef, state)
+        h = x
+        for block in m.layers:
+            a = block.attn
+            q = jnp.einsum("bd,dnh->bnh", h, a.q_proj[...])
+            k = jnp.einsum("bd,dkh->bkh", h, a.k_proj[...])
+            v = jnp.einsum("bd,dkh->bkh", h, a.v_proj[...])
+            h = h + jnp.einsum("bnh,nhd->bd", q, a.o_proj[...]) + (k.sum() + v.sum()) * 1e-9
+            h = h + (jax.nn.silu(h @ block.mlp.gate_proj[...]) * (h @ block.mlp.up_proj[...])
+                     ) @ block.mlp.down_proj[...]
+        return h @ m.lm_head[...]
+
+    x = jnp.ones((slots, CONFIG.hidden_size), jnp.float32)
+    return _median_time(lambda: floor(state, x).block_until_ready())
+
+
+def decode_step_time(engine: Engine, position: int) -> float:
+    """Seconds per decode step with every slot busy at `position` (the device call alone)."""
+    device = engine._device
+    S = engine.config.max_slots
+    cache = device.new_cache()
+    tokens = np.full(S, 5, np.int32)
+    positions = np.full(S, position, np.int32)
+    from nonstop.engine.device import SamplingArrays
+
+    sampling = SamplingArrays(np.zeros(S, np.float32), np.zeros(S, np.int32),
+                              np.ones(S, np.float32), np.zeros(S, np.uint32),
+                              np.zeros(S, np.int32))
+    state = device.initial_state
+    box = [cache]
+
+    def step() -> None:
+        box[0], out = device.decode(state, box[0], tokens, positions, sampling)
+        jax.block_until_ready(out)
+
+    return _median_time(step)
+
+
+def _median_time(fn, repeats: int = 15) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads for the baseline (default: torch's own)")
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+
+    if args.quick:
+        work = Workload.make(32, (16, 64), (8, 48))
+        repeats = args.repeats or 1
+    else:
+        work = Workload.make(256, (16, 256), (8, 256))
+        repeats = args.repeats or 3
+    model = init_decoder(CONFIG, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        ours = load_pretrained(tmp)
+    probe = np.asarray([work.prompts[0][:16]])
+    with torch.no_grad():
+        ref = hf(torch.tensor(probe)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(probe))[0]), ref, atol=1e-4)
+
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    engine = Engine(ours, max_slots=args.slots, max_len=work.max_len,
+                    prefill_chunks=(16, 64, 256), prefill_budget=256)
+    t = time.perf_counter()
+    engine.start()
+    print(f"engine warm-up (compilation) {time.perf_counter() - t:.1f}s; "
+          f"{args.slots} slots x {work.max_len}; {len(work.prompts)} requests, "
+          f"{work.tokens} output tokens; torch threads {torch.get_num_threads()}")
+    warm = len(compiles)
+    jax.config.update("jax_log_compiles", True)  # name any compilation after warm-up
+    rows: list[dict[str, object]] = []
+    rate = None
+    for mode in ("all_at_once", "poisson"):
+        for system in ("nonstop", "transformers"):
+            reps = []
+            for _ in range(repeats):
+                arrivals = None if mode == "all_at_once" else poisson_arrivals(len(work.prompts),
+                                                                                rate)
+                if system == "nonstop":
+                    reps.append(run_engine(engine, work, arrivals))
+                else:
+                    reps.append(run_transformers(hf, work, arrivals))
+            row = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            if system == "nonstop" and mode == "all_at_once":
+                rate = 0.8 * len(work.prompts) / row["wall_s"]
+            rows.append({"benchmark": "engine", "mode": mode, "system": system,
+                         "requests": len(work.prompts), "slots": args.slots,
+                         "repeats": repeats, **row,
+                         **({"arrival_rate_per_s": rate} if mode == "poisson" else {})})
+    after = len(compiles) - warm
+    positions = (work.max_len // 4, work.max_len - 8)
+    steps = {p: decode_step_time(engine, p) for p in positions}
+    floor = matmul_floor(ours, args.slots)
+    engine.stop()
+    by = {(r["mode"], r["system"]): r for r in rows}
+    print(f"\n{'mode':<12} {'system':<13} {'tok/s':>8} {'wall s':>8} {'TTFT p50':>9} "
+          f"{'TTFT p99':>9}")
+    for r in rows:
+        print(f"{r['mode']:<12} {r['system']:<13} {r['tokens_per_s']:8.1f} {r['wall_s']:8.1f} "
+              f"{r['ttft_p50_s']:9.2f} {r['ttft_p99_s']:9.2f}")
+    for mode in ("all_at_once", "poisson"):
+        ratio = by[(mode, "nonstop")]["tokens_per_s"] / by[(mode, "transformers")]["tokens_per_s"]
+        by[(mode, "nonstop")]["speedup_vs_transformers"] = ratio
+        print(f"{mode}: nonstop / transformers tokens/s = {ratio:.2f}x (goal >= 2)")
+    step_row = {"benchmark": "engine", "mode": "decode_step", "slots": args.slots,
+                "max_len": work.max_len, "matmul_floor_ms": floor * 1e3,
+                **{f"step_ms_at_{p}": s * 1e3 for p, s in steps.items()},
+                "compiles_after_warmup": after}
+    for p, s in steps.items():
+        print(f"decode step, {args.slots} slots at position {p}: {s * 1e3:.1f} ms = "
+              f"{s / floor:.2f} x matmul floor {floor * 1e3:.1f} ms")
+    print(f"compilations after warm-up: {after}")
+    rows.append(step_row)
+    if args.out is not None:
+        with args.out.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""`nonstop serve MODEL_DIR`: serve a local Hugging Face checkpoint over the OpenAI-compatible API.
+
+Binds 127.0.0.1 unless `--host` says otherwise. The API key comes from `--api-key` or, failing
+that, the NONSTOP_API_KEY environment variable; with neither, the server is open.
+`python -m nonstop.cli.serve MODEL_DIR ...` runs the same command without the top-level CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+
+from nonstop.engine.server import API_KEY_ENV, Dtype, ServerConfig, serve
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `serve` subcommand on the top-level CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "serve", help="serve a checkpoint over the OpenAI-compatible HTTP API",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR",
+                        help="a local Hugging Face checkpoint directory (config.json, safetensors, "
+                             "tokenizer.json)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 routes "
+                             f"(default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--model-name", default=None,
+                        help="the model id clients send (default: the directory's name)")
+    parser.add_argument("--max-slots", type=int, default=8,
+                        help="sequences decoded together (default 8)")
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="context per sequence, prompt plus generation (default 2048)")
+    parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
+                        help="compute dtype (default float32)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the parsed arguments describe (the env var fills a missing API key)."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(model_dir=args.model_dir, host=args.host, port=args.port, api_key=api_key,
+                        model_name=args.model_name, max_slots=args.max_slots,
+                        max_len=args.max_len, dtype=args.dtype, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the process exit code."""
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"nonstop serve: {error}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nonstop serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Inference: KV cache, on-device sampling, a continuous-batching scheduler and its async API.
+
+    from nonstop.engine import Engine, SamplingParams
+    with Engine(model, max_slots=16, max_len=1024) as engine:
+        completion = await engine.generate(token_ids, SamplingParams(max_tokens=64))
+"""
+
+from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.engine.engine import Engine, EngineStats
+from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
+from nonstop.engine.sampling import SamplingParams
+from nonstop.engine.scheduler import Detokenizer, Session
+from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
+
+__all__ = [
+    "Completion",
+    "Detokenizer",
+    "Engine",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineError",
+    "EngineStats",
+    "FinishReason",
+    "RemoteEngine",
+    "RemoteEngineError",
+    "RemoteRequestError",
+    "RequestError",
+    "SamplingParams",
+    "Session",
+]

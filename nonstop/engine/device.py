@@ -1,0 +1,157 @@
+"""The engine's two jitted device functions and its KV cache.
+
+- `prefill`: one chunk of one slot's prompt, int32[1, C] with C from `EngineConfig.chunk_sizes`.
+  Rows past the chunk's real length are parked at position max_len, where the model writes
+  nothing. Only the last real row goes through the output head; its logits are sampled, so the
+  final chunk of a prompt yields the first generated token.
+- `decode`: one token for every slot, int32[S]. Idle slots are parked at position max_len.
+
+Both take the parameters as an argument (`nnx.split`: the graph definition is static, the
+weights are never baked in as constants, so a weight update never recompiles) and donate the
+cache. Their logits stay on device and go straight into the jitted sampler
+(`sampling.sample`), so one small host copy per step brings back tokens and log-probabilities.
+The sampler is jitted once per process, not inside each step: it depends only on the shape of
+the logits, so every engine with the same vocabulary shares its compilation (it costs more to
+compile than a small model's step). Traces are counted per function: after warm-up the counts
+must not move, and `Engine.stats()` reports them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import Array
+
+from nonstop.engine.sampling import sample
+from nonstop.models import Decoder, KVCache
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row sampling settings: temperature f32, top_k i32, top_p f32, seeds u32, steps i32."""
+
+    temperature: Array | np.ndarray
+    top_k: Array | np.ndarray
+    top_p: Array | np.ndarray
+    seeds: Array | np.ndarray
+    steps: Array | np.ndarray
+
+
+class StepOutput(NamedTuple):
+    """Per-row sampled token int32, its logprob and its sampling logprob (float32)."""
+
+    tokens: Array | np.ndarray
+    logprobs: Array | np.ndarray
+    sampling_logprobs: Array | np.ndarray
+
+
+SAMPLER_TRACES: collections.Counter[str] = collections.Counter()
+
+
+@jax.jit
+def _sample(logits: Array, sampling: SamplingArrays) -> StepOutput:
+    SAMPLER_TRACES[f"sample_{logits.shape[0]}x{logits.shape[1]}"] += 1  # only while tracing
+    return StepOutput(*sample(logits, *sampling))
+
+
+class DeviceSteps:
+    """The jitted prefill and decode of one model, with a trace counter per function."""
+
+    def __init__(self, model: Decoder, *, num_slots: int, max_len: int,
+                 cache_dtype: jnp.dtype | None = None) -> None:
+        self.graphdef, state = nnx.split(model)
+        # Commit every input to its device: jit keys its cache on committedness, so an
+        # uncommitted first argument (fresh `jnp.zeros`) would compile a second time later.
+        self.shardings = jax.tree.map(lambda x: x.sharding, state)
+        self.initial_state = self.place(state, copy=False)
+        self.cache_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.cfg = model.cfg
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.cache_dtype = cache_dtype or model.dtype
+        self.traces: collections.Counter[str] = collections.Counter()
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+
+    def new_cache(self) -> KVCache:
+        return KVCache.create(self.cfg, num_slots=self.num_slots, max_len=self.max_len,
+                              dtype=self.cache_dtype, sharding=self.cache_sharding)
+
+    def place(self, state: nnx.State, *, copy: bool) -> nnx.State:
+        """`state` committed to the model's shardings (copied if `copy`)."""
+        return jax.device_put(state, self.shardings, may_alias=not copy)
+
+    def _decode_fn(self, state: nnx.State, cache: KVCache, tokens: Array, positions: Array,
+                   ) -> tuple[KVCache, Array]:
+        self.traces["decode"] += 1  # runs only while tracing
+        model = nnx.merge(self.graphdef, state)
+        logits, cache = model(tokens[:, None], positions[:, None], cache=cache)
+        return cache, logits[:, 0]
+
+    def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, start: Array,
+                    length: Array, slot: Array) -> tuple[KVCache, Array]:
+        C = tokens.shape[1]
+        self.traces[f"prefill_{C}"] += 1
+        model = nnx.merge(self.graphdef, state)
+        idx = jnp.arange(C, dtype=jnp.int32)
+        positions = jnp.where(idx < length, start + idx, self.max_len)[None, :]
+        h, cache = model.hidden_states(model.embed_tokens(tokens), positions,
+                                       jnp.ones_like(tokens), cache, slot[None])
+        last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
+        return cache, model.logits(last[None])[:, 0]  # [1, V]
+
+    def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
+               positions: np.ndarray, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
+        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot."""
+        cache, logits = self._decode(state, cache, tokens, positions)
+        return cache, _sample(logits, sampling)
+
+    def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, start: int,
+                length: int, slot: int, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
+        """Prefill tokens int32[1, C] (the first `length` real) at positions start.. of `slot`."""
+        cache, logits = self._prefill(state, cache, tokens, np.int32(start), np.int32(length),
+                                      np.int32(slot))
+        return cache, _sample(logits, sampling)
+
+    def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...]) -> KVCache:
+        """Compile decode and every prefill chunk size; writes nothing (all rows parked)."""
+        S = self.num_slots
+        sampling = idle_sampling(S)
+        cache, out = self.decode(state, cache, np.zeros(S, np.int32),
+                                 np.full(S, self.max_len, np.int32), sampling)
+        jax.block_until_ready(out)
+        for C in chunk_sizes:
+            cache, out = self.prefill(state, cache, np.zeros((1, C), np.int32), self.max_len, 0,
+                                      0, idle_sampling(1))
+            jax.block_until_ready(out)
+        return cache
+
+    def check_state(self, state: nnx.State) -> None:
+        """Raise ValueError unless `state` matches the model's parameters leaf for leaf."""
+        ref_leaves, ref_tree = jax.tree.flatten(self.initial_state)
+        leaves, tree = jax.tree.flatten(state)
+        if tree != ref_tree:
+            raise ValueError("update_weights: the parameters' structure differs from the "
+                             f"engine model's: got {tree}, expected {ref_tree}")
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(self.initial_state)[0]]
+        for path, new, ref in zip(paths, leaves, ref_leaves, strict=True):
+            if np.shape(new) != np.shape(ref) or jnp.dtype(new.dtype) != jnp.dtype(ref.dtype):
+                raise ValueError(f"update_weights: parameter {path} is {new.dtype}"
+                                 f"{list(np.shape(new))}, the engine's is {ref.dtype}"
+                                 f"{list(np.shape(ref))}; shapes and dtypes must match (a "
+                                 "change would recompile)")
+
+
+def idle_sampling(rows: int) -> SamplingArrays:
+    """Greedy settings for `rows` rows (what parked slots carry)."""
+    return SamplingArrays(np.zeros(rows, np.float32), np.zeros(rows, np.int32),
+                          np.ones(rows, np.float32), np.zeros(rows, np.uint32),
+                          np.zeros(rows, np.int32))
+
+
+__all__ = ["DeviceSteps", "SamplingArrays", "StepOutput", "idle_sampling"]

@@ -1,0 +1,248 @@
+"""RemoteEngine: the local Engine's `generate` interface over an OpenAI-compatible HTTP server, so
+that `nonstop serve`, vLLM or SGLang servers can do the rollouts.
+
+Each `generate(token_ids, params)` is one POST to `{base_url}/v1/completions` with a token-id
+prompt. The request relies on these fields beyond the OpenAI schema (vLLM's names, which
+`nonstop serve` implements and SGLang's OpenAI server largely shares):
+- `prompt`: a list of token ids (the text is never re-tokenized);
+- `max_tokens: null` when `params.max_tokens` is None (vLLM then generates up to the context's
+  end);
+- `top_k` (-1 when disabled), `seed`, `stop_token_ids`, and `ignore_eos: true`, so the server
+  stops exactly on `params.stop_token_ids` and `params.stop` as the local engine does, not on the
+  checkpoint's own end-of-sequence ids (put those in `stop_token_ids`);
+- `logprobs: 0`: the sampled token's log-probability at each position;
+- `return_token_ids: true` (vLLM >= 0.10.2: the choice carries `token_ids`) and
+  `return_tokens_as_token_ids: true` (older vLLM: logprobs tokens are spelled "token_id:{id}");
+  the sampled ids are read from whichever the server returns, and a response with neither is an
+  error rather than a guess from text.
+- `skip_special_tokens: false`, so text-based stop strings see the same text as locally.
+
+From the response: `policy_versions` per token when the server reports it (`nonstop serve` does),
+else `policy_version` (a constant the caller sets, e.g. after pushing weights by other means);
+`engine_finish_reason` when present, else the OpenAI finish_reason mapped back ("length" cannot
+tell max_tokens from a full context remotely); `stop_reason` (vLLM's: the stop token id or stop
+string that matched) when present. Logprobs are whatever the server reports for the sampled
+token: nonstop's engine and vLLM's default (raw logprobs) both give the unmodified softmax at
+temperature 1.
+
+Sessions are a hint only: the argument is accepted for interface parity and ignored, since remote
+servers keep no per-episode slot; vLLM's and SGLang's prefix caches give the same saving.
+
+Connection failures (and 502/503/504 answers) are retried with exponential backoff; any other
+HTTP error raises at once: `RemoteRequestError` (also an engine `RequestError`) for 4xx, with the
+server's message, and `RemoteEngineError` for 5xx and malformed responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from nonstop.engine.sampling import SamplingParams
+from nonstop.engine.types import FINISH_REASONS, Completion, RequestError
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE_STATUS = (502, 503, 504)
+_RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                     httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+
+class RemoteEngineError(RuntimeError):
+    """The server failed, could not be reached, or answered with something unusable."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class RemoteRequestError(RemoteEngineError, RequestError):
+    """The server refused the request (HTTP 4xx): the request is at fault, retrying won't help."""
+
+
+def _api_root(base_url: str) -> str:
+    root = base_url.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
+def _error_message(response: httpx.Response) -> tuple[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500], response.text
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"]), body
+    if isinstance(body, dict) and "message" in body:  # some servers use a flat body
+        return str(body["message"]), body
+    return str(body)[:500], body
+
+
+def _sampled_ids(choice: dict[str, Any], logprobs: dict[str, Any]) -> list[int]:
+    if isinstance(choice.get("token_ids"), list):
+        return [int(t) for t in choice["token_ids"]]
+    tokens = logprobs.get("tokens") or []
+    ids = []
+    for token in tokens:
+        if not (isinstance(token, str) and token.startswith("token_id:")):
+            raise RemoteEngineError(
+                "the server returned neither choices[].token_ids nor logprobs tokens spelled "
+                "'token_id:{id}'; it must support vLLM's return_token_ids or "
+                f"return_tokens_as_token_ids (got token {token!r})", body=choice)
+        ids.append(int(token.removeprefix("token_id:")))
+    return ids
+
+
+class RemoteEngine:
+    """`await generate(token_ids, params)` against an OpenAI-compatible completions server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        policy_version: int = 0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        """`model`: the served model's name, or None to ask the server's /v1/models once.
+        `timeout`: seconds for one HTTP request (a whole generation). `max_retries`: further
+        attempts after a connection error or a 502/503/504. `policy_version`: reported for every
+        token when the server does not report versions itself."""
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if retry_backoff_s < 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {retry_backoff_s}")
+        self.base_url = _api_root(base_url)
+        self.model = model
+        self.policy_version = policy_version
+        self._max_retries = max_retries
+        self._backoff = retry_backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
+                                         timeout=httpx.Timeout(timeout), transport=transport)
+        self._model_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> RemoteEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # ---------------------------------------------------------------- HTTP
+
+    async def _request(self, method: str, path: str, json: dict[str, Any] | None = None) -> Any:
+        for attempt in range(self._max_retries + 1):
+            last = attempt == self._max_retries
+            try:
+                response = await self._client.request(method, path, json=json)
+            except _RETRYABLE_ERRORS as error:
+                if last:
+                    raise RemoteEngineError(
+                        f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: "
+                        f"{type(error).__name__}: {error}") from error
+                log.warning("%s %s: %s; retrying", method, path, error)
+            else:
+                if response.status_code < 400:
+                    try:
+                        return response.json()
+                    except ValueError as error:
+                        raise RemoteEngineError(f"{method} {path}: the response is not JSON: "
+                                                f"{response.text[:200]!r}") from error
+                message, body = _error_message(response)
+                text = f"{method} {self.base_url}{path} -> HTTP {response.status_code}: {message}"
+                if 400 <= response.status_code < 500:
+                    raise RemoteRequestError(text, status=response.status_code, body=body)
+                if response.status_code not in _RETRYABLE_STATUS or last:
+                    raise RemoteEngineError(text, status=response.status_code, body=body)
+                log.warning("%s; retrying", text)
+            await asyncio.sleep(self._backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def models(self) -> list[str]:
+        """Ids of the models the server serves."""
+        body = await self._request("GET", "/models")
+        return [entry["id"] for entry in body.get("data", [])]
+
+    async def _model_name(self) -> str:
+        async with self._model_lock:
+            if self.model is None:
+                names = await self.models()
+                if not names:
+                    raise RemoteEngineError(f"{self.base_url}/models lists no model")
+                self.model = names[0]
+        return self.model
+
+    # ---------------------------------------------------------------- generate
+
+    def request_body(self, model: str, token_ids: Sequence[int], params: SamplingParams
+                     ) -> dict[str, Any]:
+        """The /v1/completions JSON this engine sends for one generation."""
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": [int(t) for t in token_ids],
+            "max_tokens": params.max_tokens,  # null: until a stop or the context's end
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": [int(t) for t in params.stop_token_ids],
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
+                       session: object | None = None) -> Completion:
+        """Sample a continuation of `token_ids`; `session` is accepted and ignored (see module)."""
+        del session
+        body = self.request_body(await self._model_name(), token_ids, params)
+        response = await self._request("POST", "/completions", json=body)
+        try:
+            choice = response["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            tokens = _sampled_ids(choice, logprobs)
+            token_logprobs = [float(x) for x in logprobs.get("token_logprobs") or []]
+            finish = choice.get("engine_finish_reason") or _FINISH_REASONS.get(
+                choice.get("finish_reason"), "stop")
+            versions = choice.get("policy_versions")
+            stop_reason = choice.get("stop_reason")
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            raise RemoteEngineError(f"malformed completion response: {error!r}",
+                                    body=response) from error
+        if len(token_logprobs) != len(tokens):
+            raise RemoteEngineError(
+                f"the server returned {len(tokens)} token ids but {len(token_logprobs)} logprobs; "
+                f"it must honour logprobs=0", body=response)
+        if versions is None:
+            versions = [self.policy_version] * len(tokens)
+        elif len(versions) != len(tokens):
+            raise RemoteEngineError(f"policy_versions has {len(versions)} entries for "
+                                    f"{len(tokens)} tokens", body=response)
+        if finish not in FINISH_REASONS:
+            raise RemoteEngineError(f"unknown finish reason {finish!r}", body=response)
+        return Completion(tokens=tokens, logprobs=token_logprobs, finish_reason=finish,
+                          policy_versions=versions,
+                          stop_reason=stop_reason if isinstance(stop_reason, int | str) else None)

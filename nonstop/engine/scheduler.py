@@ -1,0 +1,485 @@
+"""The scheduler thread: requests, slots, sessions, and the loop that drives the device.
+
+Each iteration the thread (1) drains its inbox (new requests, cancellations, closed sessions,
+weight updates), (2) admits waiting requests into slots in arrival order, (3) prefills chunks
+(first come, first served, up to `prefill_budget` tokens while others decode) and (4) runs one
+decode step over all slots. Everything per-slot the device needs lives in small numpy arrays
+updated in place, so a step costs one host-to-device copy of a few int/float[S] arrays and one
+copy back of the sampled tokens and logprobs.
+
+A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
+`slot_tokens[s]` is the exact list of token ids whose keys and values are valid in slot s, so a
+session's next turn prefills only what follows their longest common prefix with the new prompt
+(at least one token: the logits of the last prompt token are needed). Without a free slot the
+least recently used idle session is evicted; its next turn then prefills from scratch, which
+gives the same tokens. Stale cache entries beyond a slot's valid prefix are never read: every
+row attends only to positions <= its own, and writes its own position first.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nonstop import perf
+from nonstop.engine.config import EngineConfig
+from nonstop.engine.device import DeviceSteps, SamplingArrays
+from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
+
+_log = logging.getLogger(__name__)
+
+PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+Resolve = Callable[[Completion | BaseException], None]
+
+
+class Session:
+    """A multi-turn episode's claim on one slot's KV cache between its turns.
+
+    Pass it to `Engine.generate(..., session=...)` for every turn, each time with the whole
+    context so far; `close()` (or leaving `with session:`) releases the slot.
+    """
+
+    def __init__(self, scheduler: Scheduler, session_id: int) -> None:
+        self.id = session_id
+        self._scheduler = scheduler
+        self.closed = False
+        # Owned by the scheduler thread:
+        self.slot: int | None = None
+        self.busy = False
+        self.last_used = 0.0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._scheduler.post(("close", self))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id}, slot={self.slot}, closed={self.closed})"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation in flight; mutated only by the scheduler thread after submission."""
+
+    prompt: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # uint32
+    max_tokens: int | None
+    stop_ids: frozenset[int]
+    stop: tuple[str, ...]
+    session: Session | None
+    resolve: Resolve
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    slot: int = -1
+    prefill_pos: int = 0
+    num_cached: int = 0
+    num_prefilled: int = 0
+    first_token_at: float | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    def restart(self) -> None:
+        self.slot, self.prefill_pos, self.num_cached, self.num_prefilled = -1, 0, 0, 0
+        self.first_token_at = None
+        for seq in (self.tokens, self.logprobs, self.sampling_logprobs, self.versions):
+            seq.clear()
+
+
+@dataclasses.dataclass
+class Counters:
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    completed: int = 0
+    evictions: int = 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler(threading.Thread):
+    """Owns the slots, the cache and the params; only this thread touches the device."""
+
+    def __init__(self, device: DeviceSteps, state: nnx.State, version: int,
+                 config: EngineConfig, tokenizer: Detokenizer | None) -> None:
+        super().__init__(name="nonstop-engine", daemon=True)
+        self.device, self.state, self.version = device, state, version
+        self.config, self.tokenizer = config, tokenizer
+        S, L = config.max_slots, config.max_len
+        self.S, self.L = S, L
+        self.cache = device.new_cache()
+        self.counters = Counters()
+        self.ready = threading.Event()
+        self.startup_error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._stopping = False
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slot_req: list[Request | None] = [None] * S
+        self.slot_owner: list[Session | None] = [None] * S
+        self.slot_tokens: list[list[int]] = [[] for _ in range(S)]
+        self.prefilling: collections.deque[int] = collections.deque()
+        self.decoding = np.zeros(S, bool)
+        self.positions = np.full(S, L, np.int32)
+        self.last_token = np.zeros(S, np.int32)
+        self.temperature = np.zeros(S, np.float32)
+        self.top_k = np.zeros(S, np.int32)
+        self.top_p = np.ones(S, np.float32)
+        self.seeds = np.zeros(S, np.uint32)
+        self.steps = np.zeros(S, np.int32)
+
+    # ---------------------------------------------------------------- from other threads
+
+    def post(self, message: tuple[Any, ...]) -> None:
+        with self._cv:
+            if self._stopping and message[0] == "submit":
+                raise EngineError("the engine is stopped")
+            self._inbox.append(message)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> None:
+        try:
+            self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes)
+        except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
+            self.startup_error = error
+            self.ready.set()
+            self._drain(block=False)
+            self._abort_all(EngineError(f"engine warm-up failed: {error!r}"))
+            return
+        self.ready.set()
+        try:
+            while True:
+                idle = not self.waiting and not self.prefilling and not self.decoding.any()
+                self._drain(block=idle)
+                if self._stopping:
+                    break
+                self._admit()
+                if self.prefilling:
+                    self._prefill_some()
+                if self.decoding.any():
+                    self._decode_step()
+        finally:
+            with self._cv:
+                self._stopping = True
+            self._drain(block=False)
+            self._abort_all(None)
+
+    def _drain(self, *, block: bool) -> None:
+        with self._cv:
+            while block and not self._inbox and not self._stopping:
+                self._cv.wait()
+            messages = list(self._inbox)
+            self._inbox.clear()
+        for message in messages:
+            kind = message[0]
+            if kind == "submit":
+                self._accept(message[1])
+            elif kind == "cancel":
+                self._cancel(message[1])
+            elif kind == "close":
+                self._close_session(message[1])
+            elif kind == "weights":
+                self._apply_weights(message[1], message[2])
+
+    def _accept(self, req: Request) -> None:
+        if self._stopping:
+            req.done = True
+            req.resolve(EngineError("the engine is stopping"))
+            return
+        s = req.session
+        if s is not None and (s.closed or s.busy):
+            why = "is closed" if s.closed else "already has a request in flight"
+            req.done = True
+            req.resolve(RequestError(f"session {s.id} {why}"))
+            return
+        if s is not None:
+            s.busy = True
+        self.waiting.append(req)
+
+    def _cancel(self, req: Request) -> None:
+        if req.done:
+            return
+        req.done = True
+        if req.slot >= 0:
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            if req.session is not None:
+                req.session.busy = False
+
+    def _close_session(self, session: Session) -> None:
+        if session.slot is not None and not session.busy:
+            self._drop_session_cache(session)
+
+    def _drop_session_cache(self, session: Session) -> None:
+        s = session.slot
+        if s is not None:
+            self.slot_owner[s] = None
+            self.slot_tokens[s] = []
+            session.slot = None
+
+    # ---------------------------------------------------------------- admission
+
+    def _slot_for(self, req: Request) -> int | None:
+        if req.session is not None and req.session.slot is not None:
+            return req.session.slot
+        for s in range(self.S):
+            if self.slot_req[s] is None and self.slot_owner[s] is None:
+                return s
+        idle = [o for o in self.slot_owner if o is not None and not o.busy]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda o: o.last_used)
+        slot = victim.slot
+        self._drop_session_cache(victim)
+        self.counters.evictions += 1
+        return slot
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        for req in list(self.waiting):
+            slot = self._slot_for(req)
+            if slot is None:
+                continue
+            self.waiting.remove(req)
+            self._start(req, slot)
+
+    def _start(self, req: Request, slot: int) -> None:
+        req.slot = slot
+        self.slot_req[slot] = req
+        cached = self.slot_tokens[slot]
+        if req.session is not None:
+            self.slot_owner[slot] = req.session
+            req.session.slot = slot
+        else:
+            cached.clear()
+        n = min(_common_prefix(cached, req.prompt), len(req.prompt) - 1)
+        del cached[n:]
+        req.prefill_pos = req.num_cached = n
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = (
+            req.temperature, req.top_k, req.top_p)
+        self.seeds[slot], self.steps[slot] = req.seed, 0
+        self.positions[slot] = self.L
+        self.prefilling.append(slot)
+
+    def _sampling(self, rows: slice) -> SamplingArrays:
+        return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                              self.seeds[rows], self.steps[rows])
+
+    # ---------------------------------------------------------------- device steps
+
+    def _prefill_some(self) -> None:
+        used = 0
+        while self.prefilling and (used < self.config.prefill_budget or not self.decoding.any()):
+            slot = self.prefilling[0]
+            req = self.slot_req[slot]
+            assert req is not None
+            start = req.prefill_pos
+            n = min(len(req.prompt) - start, self.config.chunk_for(len(req.prompt) - start))
+            C = self.config.chunk_for(n)
+            chunk = np.zeros((1, C), np.int32)
+            chunk[0, :n] = req.prompt[start:start + n]
+            try:
+                with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C):
+                    with perf.device_busy(perf.ENGINE):
+                        self.cache, out = self.device.prefill(
+                            self.state, self.cache, chunk, start, n, slot,
+                            self._sampling(slice(slot, slot + 1)))
+                        out = jax.device_get(out)
+            except Exception as error:  # noqa: BLE001 - the device step failed: fail the slots
+                self._device_failure(error)
+                return
+            used += C
+            req.prefill_pos += n
+            req.num_prefilled += n
+            self.slot_tokens[slot].extend(req.prompt[start:start + n])
+            self.counters.prefilled_tokens += n
+            self.counters.prefill_chunks += 1
+            perf.count(PREFILL_TOKENS, n)
+            if req.prefill_pos < len(req.prompt):
+                continue
+            self.prefilling.popleft()
+            token = int(out.tokens[0])
+            self.last_token[slot], self.steps[slot] = token, 1
+            self.positions[slot] = len(req.prompt)
+            self.decoding[slot] = True
+            perf.count(perf.ENGINE_TOKENS, 1)
+            self._emit(req, token, float(out.logprobs[0]), float(out.sampling_logprobs[0]))
+
+    def _decode_step(self) -> None:
+        active = np.flatnonzero(self.decoding)
+        perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
+        perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
+        try:
+            with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
+                with perf.device_busy(perf.ENGINE):
+                    self.cache, out = self.device.decode(self.state, self.cache, self.last_token,
+                                                         self.positions, self._sampling(slice(None)))
+                    out = jax.device_get(out)
+        except Exception as error:  # noqa: BLE001
+            self._device_failure(error)
+            return
+        self.counters.decode_steps += 1
+        perf.count(perf.ENGINE_TOKENS, len(active))
+        fed = self.last_token.copy()
+        self.positions[active] += 1
+        self.steps[active] += 1
+        self.last_token[active] = out.tokens[active]
+        for s in active:
+            req = self.slot_req[s]
+            assert req is not None
+            self.slot_tokens[s].append(int(fed[s]))
+            self._emit(req, int(out.tokens[s]), float(out.logprobs[s]),
+                       float(out.sampling_logprobs[s]))
+
+    # ---------------------------------------------------------------- per-request bookkeeping
+
+    def _emit(self, req: Request, token: int, logprob: float, sampling_logprob: float) -> None:
+        """Record a sampled token and finish the request if it stops here."""
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.tokens.append(token)
+        req.logprobs.append(logprob)
+        req.sampling_logprobs.append(sampling_logprob)
+        req.versions.append(self.version)
+        self.counters.generated_tokens += 1
+        try:
+            reason, why = self._finish_reason(req, token)
+        except Exception as error:  # noqa: BLE001 - e.g. the tokenizer failed on this request
+            self._fail(req, EngineError(f"checking stop conditions failed: {error!r}"))
+            return
+        if reason is not None:
+            self._finish(req, reason, why)
+
+    def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, Any]:
+        if token in req.stop_ids:
+            return "stop", token
+        if req.stop:
+            assert self.tokenizer is not None
+            text = self.tokenizer.decode(req.tokens)
+            for s in req.stop:
+                if s in text:
+                    return "stop", s
+        if req.max_tokens is not None and len(req.tokens) >= req.max_tokens:
+            return "length", None
+        if len(req.prompt) + len(req.tokens) >= self.L:
+            return "cache_full", None
+        return None, None
+
+    def _completion(self, req: Request, reason: FinishReason, why: Any) -> Completion:
+        return Completion(tokens=req.tokens, logprobs=req.logprobs, finish_reason=reason,
+                          policy_versions=req.versions, sampling_logprobs=req.sampling_logprobs,
+                          stop_reason=why, num_prefilled=req.num_prefilled,
+                          num_cached=req.num_cached,
+                          first_token_s=None if req.first_token_at is None
+                          else req.first_token_at - req.arrival)
+
+    def _finish(self, req: Request, reason: FinishReason, why: Any = None) -> None:
+        req.done = True
+        self._release(req)
+        self.counters.completed += 1
+        req.resolve(self._completion(req, reason, why))
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        req.done = True
+        if req.slot >= 0:
+            self._release(req)
+        req.resolve(error)
+
+    def _release(self, req: Request) -> None:
+        """Take a request off its slot; its session (if open) keeps the slot's cache."""
+        s = req.slot
+        self.slot_req[s] = None
+        self.decoding[s] = False
+        self.positions[s] = self.L
+        if s in self.prefilling:
+            self.prefilling.remove(s)
+        session = req.session
+        if session is not None:
+            session.busy = False
+            session.last_used = time.perf_counter()
+            if session.closed:
+                self._drop_session_cache(session)
+        else:
+            self.slot_tokens[s] = []
+        req.slot = -1
+
+    # ---------------------------------------------------------------- engine-wide events
+
+    def _apply_weights(self, state: nnx.State, version: int) -> None:
+        with perf.span("engine/weight_update", policy_version=version):
+            self.state, self.version = state, version
+        if self.config.on_weight_update == "continue":
+            return
+        running = sorted((r for r in self.slot_req if r is not None), key=lambda r: r.arrival)
+        for req in running:
+            self._release(req)
+            if req.session is not None:
+                req.session.busy = True
+            req.restart()
+        for owner in list(self.slot_owner):  # caches computed by the old weights
+            if owner is not None:
+                self._drop_session_cache(owner)
+        self.waiting.extendleft(reversed(running))
+
+    def _device_failure(self, error: BaseException) -> None:
+        _log.exception("engine device step failed; failing the requests in its slots")
+        for req in [r for r in self.slot_req if r is not None]:
+            self._fail(req, EngineError(f"a device step failed: {error!r}"))
+        for owner in list(self.slot_owner):
+            if owner is not None:
+                self._drop_session_cache(owner)
+        self.cache = self.device.new_cache()  # the old one may have been donated
+
+    def _abort_all(self, error: BaseException | None) -> None:
+        """Stop: running requests end "aborted" with what they have; waiting ones likewise."""
+        for req in [r for r in self.slot_req if r is not None] + list(self.waiting):
+            if req.done:
+                continue
+            req.done = True
+            if req.slot >= 0:
+                self._release(req)
+            req.resolve(error if error is not None else self._completion(req, "aborted", None))
+        self.waiting.clear()

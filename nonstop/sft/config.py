@@ -1,0 +1,255 @@
+"""The configuration of one supervised or preference-tuning run (`nonstop sft · dpo · orpo`).
+
+`SFTRunConfig` is the root of a tree of frozen dataclasses that YAML files and dotted overrides
+fill in (`nonstop.recipes.config_io`). It reuses the components' own configs — `DataConfig`,
+`PackingConfig`, `OptimizerConfig`, `LoRAConfig`, `QuantConfig`, `DPOConfig`, `ORPOConfig`,
+`MetricsConfig` — and adds what only a run knows: where the model and tokenizer come from, the
+built-in data, checkpoint cadence, dtype, mesh, steps and seed.
+
+Two rules keep one source of truth per setting:
+- `packing` lives at the top level and applies to every data source; `data.packing` must stay at
+  its default.
+- `optimizer.total_steps` (the schedule's length) follows `steps`; leave it unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+from nonstop.models.chat_templates import CHAT_FORMATS, ChatFormat
+from nonstop.models.config import Family
+from nonstop.models.lora import LoRAConfig
+from nonstop.models.quantize import QuantConfig
+from nonstop.sft.data import DataConfig
+from nonstop.sft.losses import DPOConfig, ORPOConfig
+from nonstop.train.metrics import MetricsConfig
+from nonstop.train.optim import OptimizerConfig
+from nonstop.train.packing import PackingConfig
+
+Algorithm = Literal["sft", "dpo", "orpo"]
+Dtype = Literal["float32", "bfloat16"]
+ReferenceMode = Literal["precomputed", "on_the_fly"]
+BuiltinTask = Literal["reverse", "arithmetic"]
+RejectedKind = Literal["mistake", "shout"]
+TokenizerKind = Literal["pretrained", "char"]
+
+
+def _fail(where: str, value: object, valid: str) -> None:
+    raise ValueError(f"{where}={value!r} is invalid; expected {valid}")
+
+
+def _check_choice(where: str, value: object, choices: object) -> None:
+    valid = get_args(choices)
+    if value not in valid:
+        _fail(where, value, f"one of {valid}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Where the weights come from: a local Hugging Face checkpoint (`path`), a named preset with
+    random weights (`preset`), or, with neither, a tiny `ModelConfig.tiny(family)` with random
+    weights whose sizes the fields below override (`vocab_size` None: the tokenizer's)."""
+
+    path: str | None = None
+    preset: str | None = None
+    family: Family = "llama"
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    tie_embeddings: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and self.preset is not None:
+            raise ValueError(
+                f"ModelSource: set model.path={self.path!r} (a checkpoint) or "
+                f"model.preset={self.preset!r} (random weights), not both"
+            )
+        _check_choice("ModelSource.family", self.family, Family)
+        for name, value in self.tiny_overrides().items():
+            if name != "tie_embeddings" and value < 1:
+                _fail(f"ModelSource.{name}", value, "an int >= 1 or null")
+
+    @property
+    def kind(self) -> Literal["checkpoint", "preset", "tiny"]:
+        if self.path is not None:
+            return "checkpoint"
+        return "preset" if self.preset is not None else "tiny"
+
+    def tiny_overrides(self) -> dict[str, int | bool]:
+        names = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings", "tie_embeddings")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerSource:
+    """`pretrained`: a local tokenizer directory (`path`, default the model's checkpoint).
+    `char`: nonstop's built-in character tokenizer with `chat_format`'s special tokens."""
+
+    kind: TokenizerKind = "pretrained"
+    path: str | None = None
+    chat_format: ChatFormat = "qwen"
+
+    def __post_init__(self) -> None:
+        _check_choice("TokenizerSource.kind", self.kind, TokenizerKind)
+        if self.chat_format not in CHAT_FORMATS:
+            _fail("TokenizerSource.chat_format", self.chat_format, f"one of {CHAT_FORMATS}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuiltinData:
+    """A built-in synthetic task written as JSONL into the run directory (`nonstop.recipes`).
+
+    `rejected` (preference data): "mistake" — a wrong answer (unreversed, a letter changed, an
+    off-by-a-few sum); "shout" — the right answer in upper case, a style preference that a model
+    trained from scratch can pick up in a few dozen steps."""
+
+    task: BuiltinTask = "reverse"
+    rejected: RejectedKind = "mistake"
+    num_train: int = 2000
+    num_eval: int = 64
+    min_length: int = 3
+    max_length: int = 6
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("BuiltinData.task", self.task, BuiltinTask)
+        _check_choice("BuiltinData.rejected", self.rejected, RejectedKind)
+        if self.num_train < 1 or self.num_eval < 1:
+            _fail("BuiltinData.num_train/num_eval", (self.num_train, self.num_eval), "ints >= 1")
+        if not 1 <= self.min_length <= self.max_length:
+            _fail("BuiltinData.min_length", self.min_length, f"in [1, max_length={self.max_length}]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSettings:
+    """Checkpoints go to RUN_DIR/checkpoints every `save_every` steps; the last `keep_last` stay."""
+
+    save_every: int = 500
+    keep_last: int | None = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_every < 1:
+            _fail("CheckpointSettings.save_every", self.save_every, "an int >= 1")
+        if self.keep_last is not None and self.keep_last < 1:
+            _fail("CheckpointSettings.keep_last", self.keep_last, "null (keep all) or an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSettings:
+    """Device mesh sizes; their product is the number of devices used (the first ones)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data", "fsdp", "tp"):
+            if getattr(self, name) < 1:
+                _fail(f"MeshSettings.{name}", getattr(self, name), "an int >= 1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.tp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTRunConfig:
+    """Everything one `nonstop sft | dpo | orpo` run needs."""
+
+    algorithm: Algorithm = "sft"
+    run_dir: str = "runs/sft"
+    steps: int = 100
+    seed: int = 0
+    dtype: Dtype = "float32"
+    grad_accum_steps: int = 1
+    model: ModelSource = ModelSource()
+    tokenizer: TokenizerSource = TokenizerSource()
+    data: DataConfig | None = None
+    builtin_data: BuiltinData | None = None
+    packing: PackingConfig = PackingConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    lora: LoRAConfig | None = None
+    quantization: QuantConfig | None = None
+    dpo: DPOConfig = DPOConfig()
+    reference: ReferenceMode = "precomputed"
+    orpo: ORPOConfig = ORPOConfig()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    metrics: MetricsConfig = MetricsConfig()
+    mesh: MeshSettings = MeshSettings()
+    export: bool = True  # merge adapters (if any) and save_pretrained into RUN_DIR/export
+
+    def __post_init__(self) -> None:
+        _check_choice("SFTRunConfig.algorithm", self.algorithm, Algorithm)
+        _check_choice("SFTRunConfig.dtype", self.dtype, Dtype)
+        _check_choice("SFTRunConfig.reference", self.reference, ReferenceMode)
+        if not self.run_dir:
+            _fail("SFTRunConfig.run_dir", self.run_dir, "a directory path")
+        if self.steps < 1:
+            _fail("SFTRunConfig.steps", self.steps, "an int >= 1")
+        if self.grad_accum_steps < 1:
+            _fail("SFTRunConfig.grad_accum_steps", self.grad_accum_steps, "an int >= 1")
+        if (self.data is None) == (self.builtin_data is None):
+            raise ValueError(
+                "SFTRunConfig: set exactly one of data (your .jsonl/.parquet files: data.paths=...)"
+                " and builtin_data (a built-in synthetic task); got "
+                f"{'both' if self.data is not None else 'neither'}"
+            )
+        if self.data is not None:
+            if self.data.packing != PackingConfig():
+                raise ValueError(
+                    "SFTRunConfig: set packing.* at the top level, not data.packing.* "
+                    "(the top-level packing applies to every data source)"
+                )
+            want = "preference" if self.algorithm != "sft" else None
+            if want and self.data.kind != want:
+                _fail("SFTRunConfig.data.kind", self.data.kind, f"'preference' for {self.algorithm}")
+            if not want and self.data.kind == "preference":
+                _fail("SFTRunConfig.data.kind", self.data.kind, "text, prompt_completion or chat "
+                      "for sft (preference data trains with dpo or orpo)")
+        if self.algorithm != "sft" and self.packing.max_segments_per_row % 2:
+            _fail("SFTRunConfig.packing.max_segments_per_row", self.packing.max_segments_per_row,
+                  "an even int for preference pairs")
+        rows = self.packing.rows_per_batch
+        shards = self.mesh.data * self.mesh.fsdp
+        if rows % (self.grad_accum_steps * shards):
+            _fail("SFTRunConfig.packing.rows_per_batch", rows,
+                  f"a multiple of grad_accum_steps x mesh.data x mesh.fsdp = "
+                  f"{self.grad_accum_steps * shards}")
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(
+                "SFTRunConfig: quantization (QLoRA) needs lora: quantized weights cannot be "
+                "trained; set lora.rank=... as well"
+            )
+        if self.tokenizer.kind == "pretrained" and self.tokenizer.path is None \
+                and self.model.path is None:
+            raise ValueError(
+                "SFTRunConfig: tokenizer.kind='pretrained' needs tokenizer.path or model.path; "
+                "set one, or tokenizer.kind=char for the built-in character tokenizer"
+            )
+        default_total = OptimizerConfig().total_steps
+        if self.optimizer.total_steps not in (default_total, self.steps):
+            _fail("SFTRunConfig.optimizer.total_steps", self.optimizer.total_steps,
+                  f"to be left unset: it follows steps={self.steps}")
+        if self.optimizer.warmup_steps > self.steps:
+            _fail("SFTRunConfig.optimizer.warmup_steps", self.optimizer.warmup_steps,
+                  f"an int in [0, steps={self.steps}]")
+        object.__setattr__(
+            self, "optimizer", dataclasses.replace(self.optimizer, total_steps=self.steps)
+        )
+
+    def data_config(self) -> DataConfig:
+        """The data settings the pipeline runs with (top-level packing applied)."""
+        if self.data is None:
+            raise ValueError(
+                "SFTRunConfig.data is not set: built-in data must be written first "
+                "(nonstop.recipes.sft_data.materialize)"
+            )
+        return dataclasses.replace(self.data, packing=self.packing)

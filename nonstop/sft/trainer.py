@@ -1,0 +1,355 @@
+"""The supervised trainer behind `nonstop sft · dpo · orpo`: build, resume, step, checkpoint, export.
+
+    cfg, tokenizer = nonstop.recipes.sft_data.prepare_run(load_config(SFTRunConfig, path, overrides))
+    result = train(cfg, tokenizer=tokenizer)
+
+`train` is the whole run, read top to bottom:
+1. tokenizer and model — a local checkpoint, a preset or a tiny config with random weights; QLoRA
+   quantizes the base, then LoRA wraps the projections (only adapters train and are saved);
+2. the mesh and the `TrainState` (float32 master copy of the trainable weights, bf16 compute
+   when `dtype=bfloat16`), sharded by the model's logical axes; for precomputed DPO, one pass of
+   the frozen reference over the data (cached in the run directory);
+3. the Grain pipeline of packed batches from a few fixed length buckets, and the one jitted,
+   donated step (`make_train_step`) with gradient accumulation;
+4. resume from the last complete checkpoint (params, optimizer state, step, RNG and the data
+   iterator's position), then the loop — data wait, step, metrics, periodic async checkpoint —
+   recorded through `nonstop.perf`;
+5. a final checkpoint and the export: adapters merged into the base, `save_pretrained` (plus the
+   tokenizer) into RUN_DIR/export.
+
+Metrics per step (JSONL, TensorBoard, progress bar): loss, learning_rate, grad_norm, tokens
+(real tokens in the batch) and tokens_per_second, fill_ratio, truncated_tokens, the loss's own
+denominator (`loss_tokens` for SFT and ORPO, `pairs` for DPO), and the DPO / ORPO metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nonstop import perf
+from nonstop.models.checkpoint import load_pretrained, save_pretrained
+from nonstop.models.config import ModelConfig
+from nonstop.models.decoder import init_decoder
+from nonstop.models.lora import apply_lora, has_lora, merge_lora
+from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, quantize_model
+from nonstop.models.sharding import DEFAULT_RULES, make_mesh
+from nonstop.models.tokenizer import Tokenizer
+from nonstop.sft import reference as ref_cache
+from nonstop.sft.config import SFTRunConfig
+from nonstop.sft.preference import (
+    POLICY,
+    PolicyWithReference,
+    dpo_loss_fn,
+    forward_logprobs,
+    orpo_loss_fn,
+    policy_of,
+    reference_of,
+    sft_loss_fn,
+)
+from nonstop.train.batch import TrainBatch
+from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
+from nonstop.train.metrics import MetricsWriter
+from nonstop.train.optim import build_optimizer, build_schedule
+from nonstop.train.state import TrainState, state_shardings
+from nonstop.train.step import LossFn, TrainStep, make_train_step
+
+EXPORT_DIR = "export"
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What a finished `train` call did."""
+
+    run_dir: str
+    start_step: int  # 0, or the checkpoint step it resumed from
+    last_step: int  # the last step taken (less than cfg.steps if the data ran out)
+    last_metrics: dict[str, float] | None
+    export_dir: str | None
+    state: TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """The jitted step and how to place the state and batches on the mesh."""
+
+    step: TrainStep
+    state: TrainState  # placed on the mesh
+    batch_sharding: NamedSharding | None
+
+    def put(self, batch: TrainBatch) -> TrainBatch:
+        return batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+
+
+def load_tokenizer(cfg: SFTRunConfig, tokenizer: Tokenizer | None = None) -> Tokenizer:
+    if tokenizer is not None:
+        return tokenizer
+    if cfg.tokenizer.kind == "char":
+        raise ValueError(
+            "tokenizer.kind='char' is built by nonstop.recipes (sft_data.prepare_run); "
+            "pass tokenizer= to train() or run through the nonstop CLI"
+        )
+    return Tokenizer.from_pretrained(cfg.tokenizer.path or cfg.model.path)
+
+
+def compute_dtype(cfg: SFTRunConfig) -> jnp.dtype:
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def build_mesh(cfg: SFTRunConfig) -> Mesh | None:
+    """The (data, fsdp, tp) mesh over the first devices, or None for a single device."""
+    n = cfg.mesh.num_devices
+    if n == 1:
+        return None
+    if n > len(jax.devices()):
+        raise ValueError(
+            f"mesh data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp} x tp={cfg.mesh.tp} needs {n} "
+            f"devices; {len(jax.devices())} are available"
+        )
+    return make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp,
+                     devices=jax.devices()[:n])
+
+
+def model_config(cfg: SFTRunConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The architecture of a randomly initialised model (preset or tiny)."""
+    special = dict(bos_token_id=tokenizer.bos_id, eos_token_ids=tokenizer.eos_ids,
+                   pad_token_id=tokenizer.pad_id)
+    if cfg.model.kind == "preset":
+        preset = ModelConfig.preset(cfg.model.preset)
+        return preset.replace(**cfg.model.tiny_overrides())
+    overrides = {"vocab_size": tokenizer.vocab_size, **special, **cfg.model.tiny_overrides()}
+    return ModelConfig.tiny(cfg.model.family, **overrides)
+
+
+def build_model(cfg: SFTRunConfig, tokenizer: Tokenizer, mesh: Mesh | None = None) -> nnx.Module:
+    """The model to train: base weights, then quantization and LoRA adapters if configured."""
+    dtype = compute_dtype(cfg)
+    full = cfg.lora is None
+    if cfg.model.kind == "checkpoint":
+        # Full fine-tuning keeps a float32 master copy anyway; a frozen base stays in `dtype`.
+        model = load_pretrained(cfg.model.path, dtype=dtype,
+                                param_dtype=jnp.float32 if full else dtype, mesh=mesh)
+    else:
+        model = init_decoder(model_config(cfg, tokenizer), seed=cfg.seed, dtype=dtype,
+                             param_dtype=jnp.float32 if full else dtype)
+    if model.cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's embedding table only "
+            f"{model.cfg.vocab_size}; use the checkpoint's own tokenizer"
+        )
+    if cfg.quantization is not None:
+        model = quantize_model(model, cfg.quantization)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora, seed=cfg.seed)
+    if full and _needs_reference_copy(cfg):
+        model = PolicyWithReference(model)
+    return model
+
+
+def _needs_reference_copy(cfg: SFTRunConfig) -> bool:
+    return cfg.algorithm == "dpo" and not cfg.dpo.reference_free and cfg.reference == "on_the_fly"
+
+
+def _uses_precomputed_reference(cfg: SFTRunConfig) -> bool:
+    return cfg.algorithm == "dpo" and not cfg.dpo.reference_free and cfg.reference == "precomputed"
+
+
+def trainable_filter(cfg: SFTRunConfig) -> nnx.filterlib.Filter:
+    if cfg.lora is not None:
+        return nnx.LoRAParam
+    if _needs_reference_copy(cfg):
+        return nnx.All(nnx.Param, nnx.PathContains(POLICY))
+    return nnx.Param
+
+
+def make_loss_fn(cfg: SFTRunConfig) -> LossFn:
+    dropout = cfg.lora is not None and cfg.lora.dropout > 0
+    segments = cfg.packing.max_segments_per_row
+    if cfg.algorithm == "dpo":
+        return dpo_loss_fn(cfg.dpo, reference=cfg.reference, num_segments=segments,
+                           dropout=dropout)
+    if cfg.algorithm == "orpo":
+        return orpo_loss_fn(cfg.orpo, num_segments=segments, dropout=dropout)
+    return sft_loss_fn(dropout=dropout)
+
+
+def _partition_specs(mesh: Mesh) -> Callable[[nnx.State], Any]:
+    """Per variable, the PartitionSpec its logical axes map to (replicated without axes)."""
+
+    def spec(var: nnx.Variable) -> nnx.Variable:
+        axes = getattr(var, "logical_axes", None)
+        value = var.get_value()
+        if axes is None:
+            return var.replace(PartitionSpec())
+        return var.replace(DEFAULT_RULES.spec(axes, value.shape, mesh))
+
+    return lambda state: jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def setup_step(cfg: SFTRunConfig, state: TrainState, mesh: Mesh | None) -> StepSetup:
+    """The jitted step for `cfg` and the state placed on `mesh` (unchanged without one)."""
+    optimizer = build_optimizer(cfg.optimizer)
+    kwargs: dict[str, Any] = {}
+    batch_sharding = None
+    if mesh is not None:
+        shardings = state_shardings(state, mesh, partition_specs=_partition_specs(mesh))
+        batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+        state = jax.device_put(state, shardings)
+        kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
+    step = make_train_step(make_loss_fn(cfg), optimizer,
+                           learning_rate=build_schedule(cfg.optimizer),
+                           grad_accum_steps=cfg.grad_accum_steps, **kwargs)
+    return StepSetup(step=step, state=state, batch_sharding=batch_sharding)
+
+
+def create_state(cfg: SFTRunConfig, model: nnx.Module) -> TrainState:
+    return TrainState.create(model, build_optimizer(cfg.optimizer), rng=jax.random.key(cfg.seed),
+                             wrt=trainable_filter(cfg))
+
+
+def reference_cache(cfg: SFTRunConfig, model: nnx.Module, tokenizer: Tokenizer,
+                    batch_sharding: NamedSharding | None) -> dict[str, tuple[np.ndarray, ...]]:
+    """Reference log-probs of every example, from RUN_DIR's cache or one pass over the data.
+
+    `model` must be the model before any training step (the base, or LoRA with zero adapters).
+    """
+    data = cfg.data_config()
+    fingerprint = ref_cache.fingerprint_of(
+        data=dataclasses.asdict(data), model=dataclasses.asdict(cfg.model),
+        tokenizer=dataclasses.asdict(cfg.tokenizer), vocab=tokenizer.vocab_size,
+        quantization=cfg.quantization, dtype=cfg.dtype, seed=cfg.seed,
+        loss_type=cfg.dpo.loss_type,
+    )
+    path = os.path.join(cfg.run_dir, ref_cache.CACHE_FILE)
+    cached = ref_cache.load_cache(path, fingerprint)
+    if cached is not None:
+        return cached
+    reference = reference_of(model) if has_lora(model) else model
+    graphdef, weights = nnx.split(reference)
+    forward = jax.jit(lambda w, b: forward_logprobs(nnx.merge(graphdef, w), b))
+
+    def logprob_fn(batch: TrainBatch) -> jax.Array:
+        if batch_sharding is not None:
+            batch = jax.device_put(batch, batch_sharding)
+        return forward(weights, batch)
+
+    with perf.span(perf.TRAIN_EVAL, what="reference_logprobs"):
+        cache = ref_cache.compute_reference_logprobs(data, tokenizer, logprob_fn)
+    ref_cache.save_cache(path, cache, fingerprint)
+    return cache
+
+
+def export_model(cfg: SFTRunConfig, state: TrainState, tokenizer: Tokenizer) -> str:
+    """Merge adapters into the base and write a Hugging Face checkpoint to RUN_DIR/export."""
+    model = policy_of(state.model())
+    if has_lora(model):
+        model = merge_lora(model)
+    _dequantize_rest(model)
+    directory = os.path.join(cfg.run_dir, EXPORT_DIR)
+    save_pretrained(model, directory, dtype=np.dtype(compute_dtype(cfg)))
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _dequantize_rest(model: nnx.Module) -> None:
+    """Quantized projections without an adapter (merge_lora leaves them) become float weights."""
+    for block in model.layers:
+        for name, (owner_name, _) in PROJECTIONS.items():
+            owner = getattr(block, owner_name)
+            weight = getattr(owner, name)
+            if isinstance(weight, QuantizedWeight):
+                setattr(owner, name, nnx.Param(weight.dequantize(jnp.float32),
+                                               logical_axes=weight.logical_axes))
+
+
+def train(
+    cfg: SFTRunConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Run (or resume) training as `cfg` says; `on_step(step)` is called after each step, once
+    its checkpoint (if due) has been started."""
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    recording = perf.run(cfg.run_dir) if perf.active_run_dir() is None else contextlib.nullcontext()
+    with recording:
+        return _train(cfg, load_tokenizer(cfg, tokenizer), on_step)
+
+
+def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], None] | None
+           ) -> RunResult:
+    mesh = build_mesh(cfg)
+    model = build_model(cfg, tokenizer, mesh)
+    setup = setup_step(cfg, create_state(cfg, model), mesh)
+    cache = None
+    if _uses_precomputed_reference(cfg):
+        cache = reference_cache(cfg, setup.state.model(), tokenizer, setup.batch_sharding)
+    data = iter(ref_cache.training_dataset(cfg.data_config(), tokenizer, cache))
+    flops_per_token = 6 * policy_of(model).cfg.num_params()
+    del model
+
+    checkpointer = Checkpointer(CheckpointConfig(
+        directory=os.path.join(cfg.run_dir, CHECKPOINT_DIR), save_every=cfg.checkpoint.save_every,
+        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save))
+    state, start = setup.state, 0
+    restored = checkpointer.restore(state)
+    if restored is not None:
+        state, start = restored.state, restored.step
+        if restored.data_state:
+            data.set_state(restored.data_state)
+    writer = MetricsWriter(cfg.run_dir, cfg.metrics, total_steps=cfg.steps,
+                           resume_step=start if restored is not None else None,
+                           run_config=dataclasses.asdict(cfg))
+    denominator = "pairs" if cfg.algorithm == "dpo" else "loss_tokens"
+    step, last = start, None
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            with perf.span(perf.TRAIN_DATA_WAIT, step=step):
+                packed = next(data, None)
+            if packed is None:
+                print(f"nonstop {cfg.algorithm}: the data ran out after step {step - 1}",
+                      file=sys.stderr)
+                step -= 1
+                break
+            with perf.span(perf.TRAIN_STEP, step=step):
+                batch = setup.put(packed.batch)
+                with perf.device_busy(perf.TRAINER, step=step):
+                    state, metrics = setup.step(state, batch)
+                    metrics["loss"].block_until_ready()
+            stats = packed.stats
+            perf.count(perf.TRAIN_TOKENS, stats.real_tokens)
+            perf.count(perf.TRAIN_FLOPS, flops_per_token * stats.real_tokens)
+            metrics[denominator] = metrics.pop("tokens")
+            last = writer.write(step, {
+                **metrics, "tokens": stats.real_tokens, "fill_ratio": stats.fill_ratio,
+                "truncated_tokens": stats.truncated_tokens,
+            }) or last
+            if checkpointer.should_save(step):
+                writer.flush()  # every metric up to a checkpoint is on disk before it
+                with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+                    checkpointer.save(step, state, data_state=data.get_state(),
+                                      metadata={"algorithm": cfg.algorithm})
+            if on_step is not None:
+                on_step(step)
+        last = writer.flush() or last
+        with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+            checkpointer.save(step, state, data_state=data.get_state(), force=True,
+                              metadata={"algorithm": cfg.algorithm})
+            checkpointer.wait()
+    finally:
+        writer.close()
+        checkpointer.close()
+    export_dir = export_model(cfg, state, tokenizer) if cfg.export else None
+    return RunResult(run_dir=cfg.run_dir, start_step=start, last_step=step, last_metrics=last,
+                     export_dir=export_dir, state=state)

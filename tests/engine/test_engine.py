@@ -1,0 +1,250 @@
+"""The engine's behaviour: concurrency, cancellation, stops, limits, bad input, seeds, sessions,
+and no compilation after warm-up. One tiny Llama engine (3 slots) is shared by the module."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nonstop import perf
+from nonstop.engine import Engine, EngineError, RequestError, SamplingParams
+from nonstop.models import ModelConfig, init_decoder
+
+MAX_LEN = 64
+SLOTS = 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+class LetterTokenizer:
+    """A real (if small) detokenizer: token id i is the letter 'a' + i % 26."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = init_decoder(ModelConfig.tiny("llama"), seed=5)
+    # Random init at std 0.02 gives near-uniform logits; scale up so greedy has no near-ties.
+    nnx.update(m, jax.tree.map(lambda x: x * 25.0 if x.ndim > 1 else x, nnx.state(m)))
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                tokenizer=LetterTokenizer()) as e:
+        yield e
+
+
+def _prompt(n, seed=0):
+    return np.random.RandomState(seed).randint(3, 257, n).tolist()
+
+
+def _gather(*coros):
+    async def main():
+        return await asyncio.gather(*coros, return_exceptions=True)
+    return asyncio.run(main())
+
+
+def test_concurrent_generate_calls_equal_sequential_ones(engine):
+    requests = [(_prompt(3 + 7 * i, seed=i), SamplingParams(temperature=0.0, max_tokens=3 + i))
+                for i in range(8)]
+    expected = [engine.generate_sync(p, s).tokens for p, s in requests]
+    results = _gather(*(engine.generate(p, s) for p, s in requests))
+    assert [r.tokens for r in results] == expected
+    events = perf.current().events()
+    assert sum(e.value for e in events if e.name == perf.ENGINE_TOKENS) >= sum(map(len, expected))
+    assert any(e.name == perf.ROLLOUT_DECODE for e in events)
+    assert any(e.name == perf.ENGINE_BUSY for e in events)
+
+
+def test_cancelling_a_task_frees_its_slot(engine):
+    async def main():
+        long = SamplingParams(temperature=0.0)  # runs until the cache is full
+        tasks = [asyncio.create_task(engine.generate(_prompt(4, seed=i), long))
+                 for i in range(SLOTS)]
+        while engine.stats().active_slots < SLOTS:
+            await asyncio.sleep(0.001)
+        completed = engine.stats().completed
+        short = asyncio.create_task(engine.generate(_prompt(5), GREEDY))
+        tasks[0].cancel()
+        result = await short
+        # The waiting request got the cancelled request's slot while the others still decode.
+        still_running = [not t.done() for t in tasks[1:]]
+        for t in tasks[1:]:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return result, still_running, completed
+    result, still_running, completed = asyncio.run(main())
+    assert len(result.tokens) == 6 and all(still_running)
+    stats = engine.stats()
+    assert stats.completed == completed + 1  # the cancelled ones never completed
+    for _ in range(1000):
+        if engine.stats().active_slots == 0:
+            break
+        threading.Event().wait(0.002)
+    assert engine.stats().active_slots == 0
+
+
+def test_stop_token_ids_and_stop_strings(engine):
+    prompt = _prompt(9, seed=3)
+    free = engine.generate_sync(prompt, SamplingParams(temperature=0.0, max_tokens=12)).tokens
+    stop_id = free[4]
+    first = free.index(stop_id)
+    c = engine.generate_sync(prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    stop_token_ids=(stop_id,)))
+    assert c.tokens == free[:first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_id
+    tok = LetterTokenizer()
+    stop = tok.decode(free[5:7])
+    k = next(k for k in range(1, 13) if stop in tok.decode(free[:k]))
+    c = engine.generate_sync(prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                    stop=(stop,)))
+    assert c.tokens == free[:k] and c.finish_reason == "stop" and c.stop_reason == stop
+
+
+def test_stop_strings_without_tokenizer_are_a_request_error(model):
+    engine = Engine(model, max_slots=1, max_len=16)  # never started: validation comes first
+    with pytest.raises(RequestError, match="needs a tokenizer"):
+        engine.generate_sync([5, 6], SamplingParams(stop=("x",)))
+    assert not engine.running
+
+
+def test_max_tokens_and_the_cache_limit(engine):
+    near_full = _prompt(MAX_LEN - 5, seed=4)
+    c = engine.generate_sync(near_full, SamplingParams(temperature=0.0, max_tokens=100))
+    assert len(c.tokens) == 5 and c.finish_reason == "cache_full"
+    c = engine.generate_sync(near_full, SamplingParams(temperature=0.0, max_tokens=5))
+    assert len(c.tokens) == 5 and c.finish_reason == "length"  # max_tokens wins a tie
+    c = engine.generate_sync(_prompt(MAX_LEN - 1), SamplingParams(temperature=0.0))
+    assert len(c.tokens) == 1 and c.finish_reason == "cache_full"
+    with pytest.raises(RequestError, match="at most 63"):
+        engine.generate_sync(_prompt(MAX_LEN), GREEDY)
+
+
+def test_bad_requests_fail_alone_while_good_ones_carry_on(engine):
+    good = [(_prompt(6 + i, seed=40 + i), GREEDY) for i in range(4)]
+    expected = [engine.generate_sync(p, s).tokens for p, s in good]
+    bad = [([], GREEDY), (_prompt(MAX_LEN + 3), GREEDY), ([5, 257], GREEDY), ([5, -1], GREEDY),
+           ([1.5, 2.0], GREEDY), ([[1, 2]], GREEDY), ("hello", GREEDY), ([5], "greedy"),
+           ([5], SamplingParams(stop_token_ids=(300,)))]
+    mixed = [x for pair in zip(good, bad, strict=False) for x in pair] + bad[len(good):]
+    results = _gather(*(engine.generate(p, s) for p, s in mixed))
+    got_good = [r.tokens for r in results if not isinstance(r, BaseException)]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert got_good == expected
+    assert len(errors) == len(bad) and all(isinstance(e, RequestError) for e in errors)
+    assert engine.running
+    assert engine.generate_sync(*good[0]).tokens == expected[0]
+
+
+def test_group_samples_differ_and_seeded_requests_reproduce(engine):
+    prompt = _prompt(7, seed=8)
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(4)]
+    group = _gather(*(engine.generate(prompt, p) for p in params))
+    assert len({g.tokens for g in group}) > 1
+    # Seed 2 alone, then batched with other (unseeded, top-k/top-p) requests: same tokens.
+    alone = engine.generate_sync(prompt, params[2])
+    others = [engine.generate(_prompt(5 + i, seed=i), SamplingParams(top_k=5, top_p=0.8,
+                                                                        max_tokens=10))
+              for i in range(4)]
+    batched = _gather(engine.generate(prompt, params[2]), *others)[0]
+    assert alone.tokens == batched.tokens == group[2].tokens
+    np.testing.assert_allclose(alone.logprobs, batched.logprobs, atol=1e-6)
+    unseeded = _gather(*(engine.generate(prompt, SamplingParams(max_tokens=8)) for _ in range(2)))
+    assert unseeded[0].tokens != unseeded[1].tokens
+
+
+def test_session_prefills_only_new_tokens_with_and_without_eviction(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    prompt = _prompt(11, seed=9)
+    with engine.session() as session:
+        first = engine.generate_sync(prompt, params, session=session)
+        assert first.num_prefilled == len(prompt) and first.num_cached == 0
+        context = prompt + list(first.tokens) + [7, 8, 9, 10]  # a tool result
+        second = engine.generate_sync(context, params, session=session)
+        fresh = engine.generate_sync(context, params)
+        assert second.tokens == fresh.tokens
+        np.testing.assert_allclose(second.logprobs, fresh.logprobs, atol=1e-4)
+        # Only the appended tokens, plus the last sampled one (its keys were never computed).
+        assert second.num_prefilled == 4 + 1
+        assert second.num_cached == len(context) - 5
+        # Fill every slot with other sessions, then a plain request evicts the idle session.
+        evictions = engine.stats().evictions
+        others = [engine.session() for _ in range(SLOTS)]
+        for i, other in enumerate(others):
+            engine.generate_sync(_prompt(3, seed=i), params, session=other)
+        assert engine.stats().evictions > evictions
+        third_context = context + list(second.tokens) + [11, 12]
+        third = engine.generate_sync(third_context, params, session=session)
+        assert third.num_cached == 0 and third.num_prefilled == len(third_context)
+        assert third.tokens == engine.generate_sync(third_context, params).tokens
+        for other in others:
+            other.close()
+
+
+def test_session_misuse_is_a_request_error(engine):
+    session = engine.session()
+
+    async def two_at_once():
+        return await asyncio.gather(engine.generate(_prompt(4), GREEDY, session=session),
+                                    engine.generate(_prompt(4), GREEDY, session=session),
+                                    return_exceptions=True)
+    first, second = asyncio.run(two_at_once())
+    assert len(first.tokens) == 6
+    assert isinstance(second, RequestError) and "in flight" in str(second)
+    session.close()
+    with pytest.raises(RequestError, match="closed"):
+        engine.generate_sync(_prompt(4), GREEDY, session=session)
+
+
+def test_no_compilation_after_warmup(model):
+    # A fresh engine: the very first steps after warm-up are the ones most likely to compile.
+    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32)).start()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    traces = engine.stats().traces
+    workload = [(_prompt(n, seed=n), SamplingParams(temperature=t, top_k=k, top_p=p,
+                                                     max_tokens=m))
+                for n, t, k, p, m in [(1, 0.0, 0, 1.0, 3), (8, 1.0, 0, 1.0, 9), (9, 0.7, 5, 1.0, 2),
+                                      (33, 1.0, 0, 0.9, 5), (50, 1.3, 3, 0.5, 20),
+                                      (31, 0.0, 0, 1.0, 1), (62, 1.0, 0, 1.0, 4)]]
+    results = _gather(*(engine.generate(p, s) for p, s in workload))
+    with engine.session() as s:
+        c = engine.generate_sync(_prompt(20), GREEDY, session=s)
+        engine.generate_sync(_prompt(20) + list(c.tokens) + [3], GREEDY, session=s)
+    engine.update_weights(nnx.state(model), version=1)
+    assert engine.generate_sync(_prompt(3), GREEDY).policy_versions == (1,) * 6
+    engine.stop()
+    assert all(not isinstance(r, BaseException) for r in results)
+    assert engine.stats().traces == traces
+    assert compiles == []
+
+
+def test_stop_aborts_running_requests_and_refuses_new_ones(model):
+    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32)).start()
+    future = engine.submit(_prompt(4), SamplingParams(temperature=0.0))
+    while engine.stats().generated_tokens < 2:
+        threading.Event().wait(0.001)
+    engine.stop()
+    c = future.result(timeout=10)
+    assert c.finish_reason in ("aborted", "cache_full")
+    assert len(c.tokens) == len(c.logprobs) == len(c.policy_versions) >= 2
+    with pytest.raises(EngineError):
+        engine.generate_sync(_prompt(4), GREEDY)
+
+
+def test_jnp_is_not_needed_by_callers(engine):
+    # Prompts may be numpy or jax arrays of ints, as well as lists.
+    p = _prompt(6, seed=12)
+    a = engine.generate_sync(np.asarray(p, np.int64), GREEDY).tokens
+    b = engine.generate_sync(jnp.asarray(p, jnp.int32), GREEDY).tokens
+    assert a == b == engine.generate_sync(p, GREEDY).tokens
