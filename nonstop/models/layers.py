@@ -91,15 +91,20 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _attend(self, q: Array, k: Array, v: Array, allowed: Array) -> Array:
-        """q [B,T,N,H], k/v [B,K,L,H], allowed [B,T,L] -> [B,T,N,H]."""
+        """q [B,T,N,H], k/v [B,K,L,H], allowed [B,T,L] -> [B,T,N,H].
+
+        The keys/values come first in both contractions: with a long cache and one query per row
+        XLA's CPU dot is ~30% faster that way round (measured on the engine's decode shapes).
+        """
         B, T, N, H = q.shape
         K = k.shape[1]
         q = q.reshape(B, T, K, N // K, H)
-        scores = jnp.einsum("btkgh,bklh->bkgtl", q, k).astype(jnp.float32)
-        scores = softcap(scores * self.cfg.attention_scale, self.cfg.attn_softcap)
-        scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+        scores = jnp.moveaxis(jnp.einsum("bklh,btkgh->bkltg", k, q), 2, -1)  # [B,K,T,G,L]
+        scores = softcap(scores.astype(jnp.float32) * self.cfg.attention_scale,
+                         self.cfg.attn_softcap)
+        scores = jnp.where(allowed[:, None, :, None, :], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgtl,bklh->btkgh", probs, v)
+        out = jnp.einsum("bklh,bktgl->btkgh", v, probs)
         return out.reshape(B, T, N, H)
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
