@@ -1,6 +1,14 @@
 """Agentic RL: tools, tool-call parsers, environments, the sandbox, built-in environments, and the
 asynchronous rollout pipeline."""
 
+from nonstop.agentic.agent import Agent, StepTimeoutError, derive_seed
+from nonstop.agentic.config import (
+    AgentConfig,
+    AgenticConfigError,
+    GroupQueueConfig,
+    LearnerConfig,
+    OrchestratorConfig,
+)
 from nonstop.agentic.environment import (
     AgentAction,
     Environment,
@@ -8,6 +16,14 @@ from nonstop.agentic.environment import (
     StepResult,
     Task,
     ToolEnvironment,
+)
+from nonstop.agentic.group_queue import GroupQueue, QueueClosed, ScoredGroup
+from nonstop.agentic.orchestrator import (
+    Admission,
+    EpisodeSpec,
+    LoopLagMonitor,
+    OrchestratorClosed,
+    RolloutOrchestrator,
 )
 from nonstop.agentic.parsers import (
     GemmaParser,
@@ -20,9 +36,40 @@ from nonstop.agentic.parsers import (
     parse_tool_calls,
 )
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
+from nonstop.agentic.streaming import StalenessGate, StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.tools import Tool, ToolError, ToolErrorKind, ToolResult, ToolSet
+from nonstop.agentic.trajectory_builder import (
+    ChatInteraction,
+    Interaction,
+    ScriptedToolInteraction,
+    TurnResult,
+)
 
 __all__ = [
+    "Agent",
+    "AgentConfig",
+    "AgenticConfigError",
+    "GroupQueueConfig",
+    "LearnerConfig",
+    "OrchestratorConfig",
+    "GroupQueue",
+    "QueueClosed",
+    "ScoredGroup",
+    "Admission",
+    "EpisodeSpec",
+    "LoopLagMonitor",
+    "OrchestratorClosed",
+    "RolloutOrchestrator",
+    "StalenessGate",
+    "StepRecord",
+    "StreamingLearner",
+    "SyncLearner",
+    "ChatInteraction",
+    "Interaction",
+    "ScriptedToolInteraction",
+    "TurnResult",
+    "StepTimeoutError",
+    "derive_seed",
     "AgentAction",
     "Environment",
     "GemmaParser",

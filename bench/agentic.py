@@ -1,0 +1,240 @@
+"""Tool-latency hiding benchmark (BENCHMARKS.md §1): the RolloutOrchestrator against a batch-
+synchronous rollout and against the engine's own limit.
+
+Model: random Qwen3-style decoder, 2 layers, width 128, 4 heads of 32, 2 KV heads, ffw 256, vocab
+256, tied embeddings, float32 (`--size large`: 4 layers, width 256, vocab 1024).
+Episode: 8 random prompt tokens; 3 model turns of exactly 16 tokens (end-of-sequence ignored);
+after turns 1 and 2 a scripted tool call sleeps for its latency (asyncio) and returns 4 tokens;
+reward: the mean answer token / vocab.
+Tool latency: fixed 0, 50, 200, 1000 ms, and log-normal with mean 200 ms and sigma 1.
+Modes, same episodes and engine:
+  - limit: the orchestrator with tool latency 0 (what the engine does when nothing waits);
+  - sync: batch-synchronous turns over batches of `--sync-batch` episodes (default: the slots):
+    all generate a turn, then all their tools run in parallel, then the next turn;
+  - async: the RolloutOrchestrator, `max_concurrency` episodes in flight, sized by Little's law
+    from the measured limit throughput and the latency (reported per row).
+Figures: episodes/s, generated tokens/s, engine busy fraction (engine device-busy spans / wall
+time), median and p99 episode latency, event-loop lag p99 (a 5 ms sleeper), compiles after
+warm-up, and the ratios async/limit and async/sync. Medians over --repeats.
+
+    python -m bench.agentic [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from nonstop import perf
+from nonstop.agentic.agent import derive_seed
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig
+from nonstop.agentic.orchestrator import EpisodeSpec, LoopLagMonitor, RolloutOrchestrator
+from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
+from nonstop.engine import Engine, SamplingParams
+from nonstop.models import ModelConfig, init_decoder
+
+PROMPT, TURNS, TURN_TOKENS, TOOL_TOKENS = 8, 3, 16, 4
+LATENCIES: dict[str, tuple[str, float]] = {
+    "0ms": ("fixed", 0.0), "50ms": ("fixed", 0.05), "200ms": ("fixed", 0.2),
+    "1000ms": ("fixed", 1.0), "lognormal200ms": ("lognormal", 0.2)}
+
+
+def model_config(size: str) -> ModelConfig:
+    if size == "small":
+        return ModelConfig.tiny("qwen3", vocab_size=256, hidden_size=128, intermediate_size=256,
+                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                tie_embeddings=True)
+    return ModelConfig.tiny("qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512,
+                            num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                            tie_embeddings=True)
+
+
+def latency_of(kind: str, mean_s: float, episode: int, turn: int) -> float:
+    """The tool latency of (episode, turn): fixed, or log-normal (sigma 1) with that mean."""
+    if kind == "fixed":
+        return mean_s
+    rng = np.random.default_rng(derive_seed(99, episode, turn))
+    return float(rng.lognormal(math.log(mean_s) - 0.5, 1.0)) if mean_s > 0 else 0.0
+
+
+def no_wait(episode: int, turn: int) -> float:
+    return 0.0
+
+
+def prompt_of(episode: int, vocab: int) -> list[int]:
+    return np.random.default_rng(derive_seed(7, episode)).integers(0, vocab, PROMPT).tolist()
+
+
+def make_factory(vocab: int, latency: Callable[[int, int], float]):
+    def make(spec: EpisodeSpec) -> ScriptedToolInteraction:
+        async def tool(turn: int, sampled) -> list[int]:
+            await asyncio.sleep(latency(spec.episode_id, turn))
+            return [(t * 7 + turn) % vocab for t in sampled[:TOOL_TOKENS]]
+
+        return ScriptedToolInteraction(prompt_of(spec.episode_id, vocab), num_turns=TURNS,
+                                       tool=tool, reward_fn=lambda a: float(np.mean(a)) / vocab)
+
+    return make
+
+
+AGENT = AgentConfig(max_turns=TURNS, max_tokens_per_turn=TURN_TOKENS, ignore_eos=True)
+
+
+async def run_async(engine: Engine, episodes: int, concurrency: int, vocab: int,
+                    latency: Callable[[int, int], float]) -> list[float]:
+    """Episode latencies (s) of `episodes` episodes through the orchestrator (group size 1)."""
+    config = OrchestratorConfig(group_size=1, max_concurrency=concurrency, agent=AGENT)
+    orchestrator = RolloutOrchestrator(engine, make_factory(vocab, latency), config)
+    groups = await orchestrator.run_groups(range(episodes))
+    return [t.info["duration_s"] for g in groups.values() for t in g]
+
+
+async def _sync_turn(engine: Engine, context: list[int], session, episode: int, turn: int,
+                     vocab: int, latency: Callable[[int, int], float] | None) -> None:
+    """One episode's turn in the synchronous baseline: generate; then its tool (if any)."""
+    if latency is None:
+        params = SamplingParams(temperature=1.0, max_tokens=TURN_TOKENS,
+                                seed=derive_seed(0, episode, turn))
+        context += (await engine.generate(context, params, session=session)).tokens
+    else:
+        await asyncio.sleep(latency(episode, turn + 1))
+        context += [(t * 7 + turn) % vocab for t in context[-TOOL_TOKENS:]]
+
+
+async def run_sync(engine: Engine, episodes: int, batch: int, vocab: int,
+                   latency: Callable[[int, int], float]) -> list[float]:
+    """Batch-synchronous turns: a batch generates a turn, then all its tools run, and so on."""
+    durations = []
+    for start in range(0, episodes, batch):
+        t0 = time.perf_counter()
+        ids = range(start, min(start + batch, episodes))
+        contexts = {e: prompt_of(e, vocab) for e in ids}
+        sessions = {e: engine.session() for e in ids}
+        for turn in range(TURNS):
+            await asyncio.gather(*(_sync_turn(engine, contexts[e], sessions[e], e, turn, vocab,
+                                              None) for e in ids))
+            if turn < TURNS - 1:
+                await asyncio.gather(*(_sync_turn(engine, contexts[e], sessions[e], e, turn,
+                                                  vocab, latency) for e in ids))
+        for s in sessions.values():
+            s.close()
+        durations += [time.perf_counter() - t0] * len(ids)
+    return durations
+
+
+def measure(engine: Engine, run: Callable[[], object], episodes: int) -> dict[str, float]:
+    """Run one configuration under a fresh perf recorder and compute its figures."""
+    perf.configure(perf.PerfConfig(capacity=4_000_000))
+    traces = sum(engine.stats().traces.values())
+    generated = engine.stats().generated_tokens
+
+    async def main():
+        async with LoopLagMonitor(interval_s=0.005) as lag:
+            with perf.span("bench/run") as window:
+                t0 = time.perf_counter()
+                durations = await run()
+                wall = time.perf_counter() - t0
+        return durations, wall, lag.quantile(0.99), window.id
+
+    durations, wall, lag_p99, window_id = asyncio.run(main())
+    events = perf.current().events()
+    window = next(e for e in events if e.id == window_id)
+    busy = perf.busy_fraction(events, perf.ENGINE, (window.t0, window.t1))
+    tokens = engine.stats().generated_tokens - generated
+    return {"episodes_per_s": episodes / wall, "tokens_per_s": tokens / wall,
+            "engine_busy": busy, "latency_p50_s": float(np.median(durations)),
+            "latency_p99_s": float(np.quantile(durations, 0.99)), "loop_lag_p99_ms": lag_p99,
+            "wall_s": wall, "compiles_after_warmup": sum(engine.stats().traces.values()) - traces}
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--slots", type=int, default=None)
+    parser.add_argument("--sync-batch", type=int, default=None)
+    parser.add_argument("--size", choices=("small", "large"), default="small")
+    parser.add_argument("--max-concurrency", type=int, default=1024)
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    slots = args.slots or (16 if args.quick else 32)
+    sync_batch = args.sync_batch or slots
+    cfg = model_config(args.size)
+    max_len = PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
+    engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
+                    prefill_chunks=(16, 64)).start()
+    vocab = cfg.vocab_size
+    seconds = 6.0 if args.quick else 20.0  # target wall time per async configuration
+
+    # Warm-up (compiles and the host paths), then the limit: what the engine does unhindered.
+    asyncio.run(RolloutOrchestrator(engine, make_factory(vocab, no_wait), OrchestratorConfig(
+        group_size=1, max_concurrency=2 * slots, agent=AGENT)).run_groups(range(2 * slots)))
+    limit_concurrency = 2 * slots
+    probe = measure(engine, functools.partial(run_async, engine, 4 * slots, limit_concurrency,
+                                              vocab, no_wait), 4 * slots)
+    limit_rate = probe["episodes_per_s"]
+    gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
+    print(f"model {args.size}: slots={slots} max_len={max_len} sync_batch={sync_batch} "
+          f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
+    rows = []
+    header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
+              f"{'p50 s':>6} {'p99 s':>6} {'lag99 ms':>8} {'compiles':>8}")
+    print(header)
+    for name, (kind, mean_s) in LATENCIES.items():
+        latency = functools.partial(latency_of, kind, mean_s)
+        # Little's law: episodes in flight = throughput x time per episode (+60% headroom).
+        concurrency = min(args.max_concurrency, max(limit_concurrency, math.ceil(
+            1.6 * limit_rate * (gen_s + (TURNS - 1) * mean_s))))
+        episodes = max(2 * concurrency, int(limit_rate * seconds))
+        results = {}
+        for mode in ("limit", "sync", "async"):
+            n_sync = max(sync_batch, min(episodes, int(seconds / max(mean_s * 2, 0.05))
+                                         * sync_batch))
+            if mode == "limit":
+                run = functools.partial(run_async, engine, episodes, concurrency, vocab, no_wait)
+            elif mode == "sync":
+                run = functools.partial(run_sync, engine, n_sync, sync_batch, vocab, latency)
+            else:
+                run = functools.partial(run_async, engine, episodes, concurrency, vocab, latency)
+            n = n_sync if mode == "sync" else episodes
+            results[mode] = median_of([measure(engine, run, n) for _ in range(repeats)])
+            r = results[mode]
+            conc = sync_batch if mode == "sync" else concurrency
+            print(f"{name:>15} {mode:>6} {conc:>5} {r['episodes_per_s']:8.1f} "
+                  f"{r['tokens_per_s']:8.0f} {r['engine_busy']:5.2f} {r['latency_p50_s']:6.2f} "
+                  f"{r['latency_p99_s']:6.2f} {r['loop_lag_p99_ms']:8.1f} "
+                  f"{r['compiles_after_warmup']:8.0f}")
+            rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
+                         "mode": mode, "slots": slots, "concurrency": conc,
+                         "episodes": n, "repeats": repeats, **r})
+        a = results["async"]["episodes_per_s"]
+        ratio_limit, ratio_sync = a / results["limit"]["episodes_per_s"], a / \
+            results["sync"]["episodes_per_s"]
+        print(f"{name:>15} ratios: async/limit {ratio_limit:.2f}  async/sync {ratio_sync:.2f}")
+        rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
+                     "mode": "ratios", "async_over_limit": ratio_limit,
+                     "async_over_sync": ratio_sync, "concurrency": concurrency,
+                     "slots": slots})
+    engine.stop()
+    if args.out:
+        with args.out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

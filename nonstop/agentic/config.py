@@ -1,0 +1,155 @@
+"""Frozen configs of the agentic pipeline: one episode (`AgentConfig`), the rollout orchestrator,
+the group queue, and the learners that consume it (`LearnerConfig`).
+
+Every field is validated in `__post_init__`; an error names the config, the field, the bad value
+and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+from nonstop.rl.config import RLAlgorithmConfig
+
+GroupAdvantage = Literal["grpo", "dr_grpo", "rloo"]
+
+
+class AgenticConfigError(ValueError):
+    """An agentic config field has a value outside what is valid."""
+
+
+def _check(ok: bool, owner: str, field: str, value: object, valid: str) -> None:
+    if not ok:
+        raise AgenticConfigError(f"{owner}.{field} = {value!r} is not valid; valid: {valid}")
+
+
+def _positive_or_none(owner: str, field: str, value: float | None) -> None:
+    _check(value is None or value > 0, owner, field, value, "None or a number > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """One episode: how each turn samples and where the episode is cut off.
+
+    max_turns: model turns per episode. max_tokens_per_turn: sampled tokens per turn.
+    max_episode_tokens: sampled tokens over all turns. max_context_tokens: the whole context
+    (prompt, turns, observations); None: the engine's `max_len`. episode_timeout_s: wall clock
+    for the whole episode (it then ends with status "timeout" and keeps its complete turns).
+    step_timeout_s: one environment step (tools included) and the final reward; exceeding it
+    fails the episode. ignore_eos: sample exactly `max_tokens_per_turn` tokens (benchmarks).
+    """
+
+    max_turns: int = 8
+    max_tokens_per_turn: int = 256
+    max_episode_tokens: int = 4096
+    max_context_tokens: int | None = None
+    episode_timeout_s: float | None = None
+    step_timeout_s: float | None = 120.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "AgentConfig"
+        for field in ("max_turns", "max_tokens_per_turn", "max_episode_tokens"):
+            value = getattr(self, field)
+            _check(isinstance(value, int) and value >= 1, owner, field, value, "an int >= 1")
+        _check(self.max_context_tokens is None or self.max_context_tokens >= 2, owner,
+               "max_context_tokens", self.max_context_tokens, "None or an int >= 2")
+        _positive_or_none(owner, "episode_timeout_s", self.episode_timeout_s)
+        _positive_or_none(owner, "step_timeout_s", self.step_timeout_s)
+        _check(self.temperature >= 0, owner, "temperature", self.temperature, ">= 0")
+        _check(self.top_k >= 0, owner, "top_k", self.top_k, ">= 0 (0 turns it off)")
+        _check(0 < self.top_p <= 1, owner, "top_p", self.top_p, "in (0, 1]")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrchestratorConfig:
+    """How many episodes run at once, how many share a prompt, and the run's seed.
+
+    Episode `i` of group `g` samples with seeds derived from (seed, g, i, turn), so the G
+    episodes of a group differ and a rerun with the same seed samples the same tokens.
+    """
+
+    group_size: int = 4
+    max_concurrency: int = 64
+    seed: int = 0
+    agent: AgentConfig = AgentConfig()
+
+    def __post_init__(self) -> None:
+        owner = "OrchestratorConfig"
+        _check(self.group_size >= 1, owner, "group_size", self.group_size, "an int >= 1")
+        _check(self.max_concurrency >= 1, owner, "max_concurrency", self.max_concurrency,
+               "an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupQueueConfig:
+    """Complete groups waiting for the consumer: at most `capacity` of them (the producer waits
+    beyond that). Each group gets `advantage` advantages; `dynamic_sampling` drops groups whose
+    rewards are all equal (DAPO). Groups with a failed episode are always dropped."""
+
+    group_size: int = 4
+    capacity: int = 16
+    advantage: GroupAdvantage = "grpo"
+    std_eps: float = 1e-6
+    dynamic_sampling: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "GroupQueueConfig"
+        _check(self.group_size >= 1, owner, "group_size", self.group_size, "an int >= 1")
+        _check(self.capacity >= 1, owner, "capacity", self.capacity, "an int >= 1")
+        _check(self.advantage in get_args(GroupAdvantage), owner, "advantage", self.advantage,
+               f"one of {get_args(GroupAdvantage)} (GAE needs a value model, not a group)")
+        _check(self.std_eps > 0, owner, "std_eps", self.std_eps, "> 0")
+
+    @classmethod
+    def for_algorithm(cls, algorithm: RLAlgorithmConfig, *, group_size: int,
+                      capacity: int = 16) -> GroupQueueConfig:
+        """The queue an RL algorithm needs: its advantage estimator and dynamic sampling."""
+        return cls(group_size=group_size, capacity=capacity,
+                   advantage=algorithm.advantage.estimator,  # type: ignore[arg-type]
+                   std_eps=algorithm.advantage.std_eps,
+                   dynamic_sampling=algorithm.dynamic_sampling)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """The streaming learner (and its synchronous baseline).
+
+    groups_per_step: groups in one optimizer step (B). max_staleness: the most policy versions
+    an episode may lag the weights it is trained into; enforced when an episode group starts.
+    sync_every: steps between weight pushes to the engine; at most max_staleness + 1, or no new
+    episode could ever start. queue_capacity: complete groups held for the learner; None:
+    (max_staleness + 1) * groups_per_step, the most that admission ever lets exist (so the
+    admission rule, not the queue, is what holds the producer back).
+    """
+
+    groups_per_step: int = 4
+    max_staleness: int = 1
+    sync_every: int = 1
+    queue_capacity: int | None = None
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+
+    def __post_init__(self) -> None:
+        owner = "LearnerConfig"
+        _check(self.groups_per_step >= 1, owner, "groups_per_step", self.groups_per_step,
+               "an int >= 1")
+        _check(self.max_staleness >= 0, owner, "max_staleness", self.max_staleness,
+               "an int >= 0")
+        _check(1 <= self.sync_every <= self.max_staleness + 1, owner, "sync_every",
+               self.sync_every, f"an int in [1, max_staleness + 1 = {self.max_staleness + 1}]")
+        most = (self.max_staleness + 1) * self.groups_per_step
+        # Fewer could leave the learner waiting for a group whose producer waits for space.
+        _check(self.queue_capacity is None or self.queue_capacity >= most, owner,
+               "queue_capacity", self.queue_capacity,
+               f"None or an int >= (max_staleness + 1) * groups_per_step = {most}")
+
+    def queue_config(self, algorithm: RLAlgorithmConfig) -> GroupQueueConfig:
+        capacity = self.queue_capacity or (self.max_staleness + 1) * self.groups_per_step
+        return GroupQueueConfig.for_algorithm(
+            algorithm, group_size=self.orchestrator.group_size, capacity=capacity)

@@ -1,0 +1,261 @@
+"""The learners of agentic RL: `StreamingLearner` (asynchronous, bounded staleness) and the
+`SyncLearner` baseline, both built from the orchestrator, the group queue and `PolicyTrainer`.
+
+    learner = StreamingLearner(trainer, engine, make_interaction,
+                               LearnerConfig(groups_per_step=4, max_staleness=1))
+    records = await learner.run(num_steps=100)
+
+**Streaming.** Rollouts never stop: the orchestrator keeps up to `max_concurrency` episodes in
+flight while the learner trains (in a worker thread) and, every `sync_every` steps, pushes its
+weights into the engine without draining it (in-flight episodes continue on the new weights,
+each token tagged with its version). Policy versions count learner steps: the weights trained at
+step k have version k, and a trajectory trained there has staleness k - (its oldest token's
+version).
+
+**Staleness is bounded by admission, not by discarding.** A group admitted while the engine has
+version v samples only at versions >= v, so it is given the deadline v + max_staleness: it must
+be trained at a step <= that. `StalenessGate` admits a group only while every deadline can
+still be met — with B groups per step and K steps taken, the groups not yet trained (running,
+queued or chosen) must satisfy, for every k >= K, #(deadline <= k) <= (k - K + 1) * B. Since
+deadlines grow with admission order, admission reduces to
+    outstanding + 1 <= (v + max_staleness + 1 - K) * B
+(AReaL's rule). The learner keeps it true by taking ready groups in completion order as long as
+every deadline stays reachable (`StalenessGate.can_take`), and otherwise waiting for the groups
+whose deadlines force them, so short episodes may overtake long ones but never push one past its
+deadline. Nothing is thrown away after the fact, and long episodes are not selected against.
+The importance correction for the lag that remains is the trainer's algorithm config
+(`policy_loss.off_policy`: decoupled PPO, token TIS or sequence masking).
+
+At max_staleness = 0 the step's groups are exactly the ones admitted for it, and they are trained in
+group-id order, so the streaming learner takes exactly the synchronous learner's steps.
+
+**Sync.** Start the step's groups, wait for all of them (replacing groups the queue dropped),
+train, push the weights, repeat: the barrier most RL libraries have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from nonstop import perf
+from nonstop.agentic.config import LearnerConfig
+from nonstop.agentic.group_queue import GroupQueue, ScoredGroup
+from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
+from nonstop.engine import Engine
+from nonstop.rl.policy_trainer import PolicyTrainer
+
+
+class StalenessGate:
+    """Admission control and deadlines for bounded staleness (see the module docstring)."""
+
+    def __init__(self, *, groups_per_step: int, max_staleness: int, version: int) -> None:
+        self.B, self.s = groups_per_step, max_staleness
+        self.version = version  # the version the engine samples new requests with
+        self.steps = version  # K: the version the next learner step trains
+        self.deadlines: dict[int, int] = {}  # outstanding group id -> deadline, admission order
+        self.admitted_at: dict[int, int] = {}
+        self._changed = asyncio.Event()
+
+    def admissible(self) -> bool:
+        return len(self.deadlines) + 1 <= (self.version + self.s + 1 - self.steps) * self.B
+
+    async def admit(self, group_id: int) -> None:
+        while not self.admissible():
+            event = self._changed
+            await event.wait()
+        self.deadlines[group_id] = self.version + self.s
+        self.admitted_at[group_id] = self.version
+
+    def need(self, exclude: Iterable[int] = ()) -> int:
+        """How many of the outstanding groups not in `exclude` the current step must still take
+        so that every deadline stays reachable: max over k >= K of #(deadline <= k) - (k - K) B.
+        Taking the `need` oldest always suffices; any choice that keeps it within the slots
+        left is as good."""
+        excluded = set(exclude)
+        deadlines = [d for gid, d in self.deadlines.items() if gid not in excluded]
+        need = 0
+        for i, deadline in enumerate(deadlines):  # deadlines grow with admission order
+            if i + 1 == len(deadlines) or deadlines[i + 1] != deadline:
+                need = max(need, i + 1 - (max(deadline, self.steps) - self.steps) * self.B)
+        return need
+
+    def can_take(self, group_id: int, chosen: Iterable[int], slots_left: int) -> bool:
+        """Whether the step may take `group_id` now and still meet every deadline."""
+        return self.need([*chosen, group_id]) <= slots_left - 1
+
+    def release(self, group_id: int, reason: str = "") -> None:
+        """A group that will never be trained (dropped by the queue)."""
+        self.deadlines.pop(group_id, None)
+        self.admitted_at.pop(group_id, None)
+        self._notify()
+
+    def trained(self, group_ids: Iterable[int]) -> None:
+        for gid in group_ids:
+            self.deadlines.pop(gid, None)
+            self.admitted_at.pop(gid, None)
+        self.steps += 1
+        self._notify()
+
+    def published(self, version: int) -> None:
+        self.version = version
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One learner step: which groups, what the trainer reported, how stale, where time went."""
+
+    version: int  # the policy version trained (k)
+    group_ids: tuple[int, ...]
+    metrics: dict[str, float]
+    staleness: tuple[int, ...]  # per episode: version - its oldest token's version
+    reward_mean: float
+    data_wait_s: float
+    train_s: float
+    sync_s: float
+    published: int | None  # the version pushed to the engine after this step, if any
+
+
+class _Learner:
+    def __init__(self, trainer: PolicyTrainer, engine: Engine, make_interaction:
+                 InteractionFactory, config: LearnerConfig | None = None) -> None:
+        self.trainer = trainer
+        self.engine = engine
+        self.make_interaction = make_interaction
+        self.config = config or LearnerConfig()
+        self.version = engine.policy_version
+        self._base = self.version  # version at the start of run(): sync_every counts from it
+        self.records: list[StepRecord] = []
+        self.queue: GroupQueue | None = None
+        self.orchestrator: RolloutOrchestrator | None = None
+
+    def _new_queue(self, on_drop: Callable[[int, str], None] | None = None) -> GroupQueue:
+        return GroupQueue(self.config.queue_config(self.trainer.algorithm), on_drop=on_drop)
+
+    async def _train(self, groups: list[ScoredGroup], data_wait_s: float) -> StepRecord:
+        groups = sorted(groups, key=lambda g: g.group_id)
+        trajectories = [t for g in groups for t in g.trajectories]
+        k = self.version
+        staleness = tuple(k - t.min_version for t in trajectories)
+        for t, lag in zip(trajectories, staleness, strict=True):
+            perf.gauge(perf.TRAIN_STALENESS, lag, episode=t.episode_id, step=k)
+        t0 = time.perf_counter()
+        metrics = await asyncio.to_thread(self.trainer.train, trajectories)
+        train_s = time.perf_counter() - t0
+        self.version += 1
+        published, sync_s = None, 0.0
+        if (self.version - self._base) % self.config.sync_every == 0:
+            t1 = time.perf_counter()
+            with perf.span(perf.TRAIN_WEIGHT_SYNC, policy_version=self.version):
+                await asyncio.to_thread(self._push, self.version)
+            sync_s, published = time.perf_counter() - t1, self.version
+        record = StepRecord(version=k, group_ids=tuple(g.group_id for g in groups),
+                            metrics=metrics, staleness=staleness,
+                            reward_mean=float(np.mean([t.reward for t in trajectories])),
+                            data_wait_s=data_wait_s, train_s=train_s, sync_s=sync_s,
+                            published=published)
+        self.records.append(record)
+        return record
+
+    def _push(self, version: int) -> None:
+        self.engine.update_weights(self.trainer.policy_params(), version)
+
+    def _start_run(self) -> None:
+        self._base = self.version
+
+
+class StreamingLearner(_Learner):
+    """Trains as soon as a step's groups are available; see the module docstring."""
+
+    async def run(self, num_steps: int, group_ids: Iterable[int] | None = None
+                  ) -> list[StepRecord]:
+        """Take `num_steps` learner steps on groups drawn from `group_ids` (default 0, 1, ...)."""
+        self._start_run()
+        cfg = self.config
+        gate = StalenessGate(groups_per_step=cfg.groups_per_step,
+                             max_staleness=cfg.max_staleness, version=self.version)
+        self.gate = gate
+        queue = self.queue = self._new_queue(on_drop=gate.release)
+        orchestrator = self.orchestrator = RolloutOrchestrator(
+            self.engine, self.make_interaction, cfg.orchestrator, queue=queue, admission=gate)
+        ids: Iterator[int] = iter(group_ids if group_ids is not None else itertools.count())
+        producer = asyncio.create_task(orchestrator.run(ids), name="rollout-producer")
+        out = []
+        try:
+            for _ in range(num_steps):
+                t0 = time.perf_counter()
+                with perf.span(perf.TRAIN_DATA_WAIT, step=self.version):
+                    groups = await self._collect(queue, gate, producer)
+                record = await self._train(groups, time.perf_counter() - t0)
+                gate.trained(record.group_ids)
+                if record.published is not None:
+                    gate.published(record.published)
+                out.append(record)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+            await orchestrator.close()
+            queue.close()
+        return out
+
+    async def _collect(self, queue: GroupQueue, gate: StalenessGate,
+                       producer: asyncio.Task[None]) -> list[ScoredGroup]:
+        """The step's B groups, in completion order among those the deadlines allow."""
+        chosen: dict[int, ScoredGroup] = {}
+        B = self.config.groups_per_step
+        while len(chosen) < B:
+            left = B - len(chosen)
+            pick = next((g for g in queue.ready_ids() if gate.can_take(g, chosen, left)), None)
+            if pick is not None:
+                chosen[pick] = queue.pop(pick)
+                continue
+            if producer.done():
+                producer.result()  # re-raises a producer failure
+                raise RuntimeError(f"the rollout ran out of groups after {len(self.records)} "
+                                   f"steps ({len(chosen)} of {B} groups for the next one)")
+            change = asyncio.ensure_future(queue.wait_for_change())
+            await asyncio.wait({change, producer}, return_when=asyncio.FIRST_COMPLETED)
+            change.cancel()
+        return list(chosen.values())
+
+
+class SyncLearner(_Learner):
+    """The baseline: run the step's groups to the end, train, push the weights, repeat."""
+
+    async def run(self, num_steps: int, group_ids: Iterable[int] | None = None
+                  ) -> list[StepRecord]:
+        self._start_run()
+        cfg = self.config
+        queue = self.queue = self._new_queue()
+        orchestrator = self.orchestrator = RolloutOrchestrator(
+            self.engine, self.make_interaction, cfg.orchestrator, queue=queue)
+        ids: Iterator[int] = iter(group_ids if group_ids is not None else itertools.count())
+        B = cfg.groups_per_step
+        out = []
+        try:
+            for _ in range(num_steps):
+                t0 = time.perf_counter()
+                kept: list[ScoredGroup] = []
+                with perf.span(perf.TRAIN_DATA_WAIT, step=self.version):
+                    while len(kept) < B:
+                        batch = list(itertools.islice(ids, B - len(kept)))
+                        if not batch:
+                            raise RuntimeError("the rollout ran out of groups")
+                        await orchestrator.run(batch)
+                        ready = set(queue.ready_ids())
+                        kept += [queue.pop(g) for g in batch if g in ready]
+                out.append(await self._train(kept, time.perf_counter() - t0))
+        finally:
+            await orchestrator.close()
+            queue.close()
+        return out
