@@ -25,9 +25,9 @@ import yaml
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.environment import Environment
 from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
-from nonstop.agentic.environment import Environment
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.streaming import StreamingLearner, SyncLearner
