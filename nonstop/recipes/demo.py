@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
@@ -132,6 +133,20 @@ async def solve_rate(engine: Engine, tokenizer: Tokenizer, env_cfg: CalculatorCo
     return float(np.mean(rewards))
 
 
+async def _with_progress(learner: StreamingLearner, steps: int, show: bool) -> list:
+    """Run the learner with a progress bar fed from its step records."""
+    run = asyncio.create_task(learner.run(steps))
+    with tqdm(total=steps, desc="agentic GRPO", unit="step", disable=not show) as bar:
+        while not run.done():
+            await asyncio.wait({run}, timeout=0.5)
+            records = learner.records
+            if len(records) > bar.n:
+                bar.update(len(records) - bar.n)
+                bar.set_postfix(reward=f"{records[-1].reward_mean:.2f}",
+                                staleness=max(records[-1].staleness, default=0))
+    return run.result()
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +182,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             rl_started = time.perf_counter()
             learner = StreamingLearner(trainer, engine, make, learner_cfg)
             with perf.span(RL_PHASE):
-                records = asyncio.run(learner.run(cfg.rl_steps))
+                records = asyncio.run(_with_progress(learner, cfg.rl_steps, cfg.progress))
             rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, tokenizer, env_cfg, cfg.eval_problems))
     events = read_events(perf_dir).events
