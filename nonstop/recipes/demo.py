@@ -56,9 +56,9 @@ class DemoConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
     max_operand: int = 20
-    sft_steps: int = 150
+    sft_steps: int = 400
     sft_learning_rate: float = 3e-3
-    rl_steps: int = 20
+    rl_steps: int = 30
     rl_learning_rate: float = 1e-4
     group_size: int = 8
     groups_per_step: int = 8
