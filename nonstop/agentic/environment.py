@@ -1,6 +1,6 @@
 """Environments: what an episode talks to. reset to a task, then step with each assistant turn.
 
-    env = CalculatorEnv(seed=0)                       # one instance per episode
+    env = CalculatorEnv(CalculatorConfig())           # one instance per episode
     obs = await env.reset(seed=7)                      # obs.messages(): system + user prompt
     step = await env.step(AgentAction.from_text(text, parser))
     # step.messages: tool turns to append; step.done; step.reward (set when done)

@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("nonstop.cli.sft", "supervised fine-tuning (full weights, LoRA, QLoRA)"),
     "dpo": ("nonstop.cli.sft", "direct preference optimisation"),
     "orpo": ("nonstop.cli.sft", "odds-ratio preference optimisation"),
-    "rl": ("nonstop.cli.rl", "RL on prompts: PPO, GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token"),
+    "rl": ("nonstop.cli.rl", "RL on prompts: GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token, RLOO"),
     "agentic": ("nonstop.cli.agentic", "agentic RL with tools and asynchronous rollouts"),
     "serve": ("nonstop.cli.serve", "serve a checkpoint over the OpenAI-compatible HTTP API"),
     "report": ("nonstop.cli.report", "explain where a run's time went"),

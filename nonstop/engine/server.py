@@ -1,7 +1,7 @@
 """nonstop's OpenAI-compatible HTTP server: the local Engine behind /v1/completions,
 /v1/chat/completions, /v1/models and /health, as a Starlette app run by uvicorn.
 
-`build_app(engine, tokenizer, ...)` makes the ASGI app; `serve(ServerConfig(...))` loads a Hugging
+`build_app(OpenAIServing(engine.generate, tokenizer, ...))` makes the ASGI app; `serve(ServerConfig(...))` loads a Hugging
 Face checkpoint directory, starts an Engine on it and runs uvicorn until interrupted. The wire
 format and its vLLM-style extensions are described in `openai_protocol`; in short, prompts may be
 token ids, `logprobs` returns the sampled tokens' log-probabilities, `return_token_ids` returns the

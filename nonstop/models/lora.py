@@ -110,11 +110,15 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, seed: int = 0) -> nnx.Modu
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """Fold every adapter into a plain float weight W + (alpha/r)·A·B (in place).
 
-    Quantized bases are dequantized to float32 first, so the merged model exports with
-    `save_pretrained` like any other.
+    Quantized bases are dequantized to float32 first (and quantized projections without an
+    adapter are dequantized as they are), so the merged model exports with `save_pretrained`.
     """
     for owner, name, _ in _targets(model, tuple(PROJECTIONS)):
         weight = getattr(owner, name)
+        if isinstance(weight, QuantizedWeight):  # quantized but never adapted: dequantize too
+            setattr(owner, name, nnx.Param(weight.dequantize(jnp.float32),
+                                           logical_axes=weight.logical_axes))
+            continue
         if not isinstance(weight, LoRAWeight):
             continue
         base = weight.base

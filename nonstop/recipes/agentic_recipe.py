@@ -14,6 +14,7 @@ after training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 import yaml
+from tqdm import tqdm
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
@@ -30,12 +32,13 @@ from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.parsers import get_parser
-from nonstop.agentic.streaming import StreamingLearner, SyncLearner
+from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ChatInteraction
 from nonstop.engine import Engine
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
 from nonstop.models.lora import LoRAConfig, apply_lora
+from nonstop.perf import busy_fraction, read_events
 from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.rl_recipe import EngineSettings, build_model, build_tokenizer
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -43,7 +46,8 @@ from nonstop.sft.config import ModelSource, TokenizerSource
 from nonstop.train import OptimizerConfig, PackingConfig
 
 EnvName = Literal["calculator", "gridworld"]
-EVAL_SEED_OFFSET = 1_000_000
+EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from seeds training never draws
+RL_PHASE = "main/agentic_rl"  # the span around the learner's run, for figures over RL alone
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,14 +126,44 @@ async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer
     return float(np.mean([t.reward or 0.0 for g in groups.values() for t in g]))
 
 
-def run_agentic(cfg: AgenticRunConfig, *, model=None) -> dict[str, Any]:
-    """Train; `model` (optional) replaces the configured one (e.g. an SFT-warmed model)."""
+async def train_with_progress(learner: StreamingLearner | SyncLearner, steps: int,
+                              show: bool) -> list[StepRecord]:
+    """Run the learner with a progress bar fed from its step records."""
+    run = asyncio.create_task(learner.run(steps))
+    with tqdm(total=steps, desc=f"agentic {type(learner).__name__}", unit="step",
+              disable=not show) as bar:
+        while not run.done():
+            await asyncio.wait({run}, timeout=0.5)
+            records = learner.records
+            if len(records) > bar.n:
+                bar.update(len(records) - bar.n)
+                bar.set_postfix(reward=f"{records[-1].reward_mean:.2f}",
+                                staleness=max(records[-1].staleness, default=0))
+    return run.result()
+
+
+def engine_busy_during(perf_dir: str | Path, phase: str = RL_PHASE) -> float | None:
+    """The engine's busy fraction inside the (last) span named `phase` of a finished run."""
+    events = read_events(perf_dir).events
+    spans = [e for e in events if e.name == phase]
+    if not spans:
+        return None
+    return busy_fraction(events, perf.ENGINE, (spans[-1].t0, spans[-1].t1))
+
+
+def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> dict[str, Any]:
+    """Train; `model` (optional) replaces the configured one (e.g. an SFT-warmed model).
+
+    Records into `RUN_DIR/perf` unless a perf run is already active (then the caller owns it and
+    `engine_busy_fraction` is None: compute it with `engine_busy_during` once that run ends).
+    """
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     tokenizer = build_tokenizer(cfg)  # type: ignore[arg-type]
     started = time.perf_counter()
-    with perf.run(run_dir / "perf"):
+    owns_perf = perf.active_run_dir() is None
+    with perf.run(run_dir / "perf") if owns_perf else contextlib.nullcontext():
         model = model if model is not None else build_model(cfg, tokenizer)  # type: ignore[arg-type]
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
@@ -148,7 +182,10 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None) -> dict[str, Any]:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer))
             learner = learner_cls(trainer, engine, interaction_factory(cfg, tokenizer, cfg.seed),
                                   learner_cfg)
-            records = asyncio.run(learner.run(cfg.steps))
+            rl_started = time.perf_counter()
+            with perf.span(RL_PHASE):
+                records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
+            rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, cfg, tokenizer))
     with (run_dir / "metrics.jsonl").open("a") as f:
         for r in records:
@@ -157,7 +194,12 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None) -> dict[str, Any]:
                                 "data_wait_s": r.data_wait_s, "train_s": r.train_s,
                                 **{k: v for k, v in r.metrics.items()}}) + "\n")
     return {"solve_rate_before": before, "solve_rate_after": after, "steps": len(records),
-            "seconds": time.perf_counter() - started, "run_dir": str(run_dir)}
+            "train_reward_first": records[0].reward_mean if records else None,
+            "train_reward_last": records[-1].reward_mean if records else None,
+            "engine_busy_fraction": engine_busy_during(run_dir / "perf") if owns_perf else None,
+            "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
+            "run_dir": str(run_dir)}
 
 
-__all__ = ["AgenticRunConfig", "EnvSettings", "run_agentic"]
+__all__ = ["RL_PHASE", "AgenticRunConfig", "EnvSettings", "engine_busy_during", "run_agentic",
+           "solve_rate", "train_with_progress"]

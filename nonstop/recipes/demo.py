@@ -11,44 +11,36 @@ agent on a CPU, end to end, with nothing downloaded.
 4. Measure the solve rate again; report the engine busy fraction and where the run directory,
    TensorBoard logs and the Perfetto trace are.
 
-Tool schemas are left out of the prompt (`with_tools=False`): a character-level model pays per
-character, and the demonstrations teach the call format directly.
+Steps 2-4 are the `nonstop agentic` recipe (`agentic_recipe.py`) given the SFT model. Tool
+schemas are left out of the prompt (`with_tools_in_prompt=False`): a character-level model pays
+per character, and the demonstrations teach the call format directly.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tqdm import tqdm
-
 from nonstop import perf
-from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.config import AgentConfig
 from nonstop.agentic.envs import CalculatorEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
-from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
-from nonstop.agentic.parsers import get_parser
-from nonstop.agentic.streaming import StreamingLearner
-from nonstop.agentic.trajectory_builder import ChatInteraction
-from nonstop.engine import Engine
 from nonstop.models import Decoder, Tokenizer
-from nonstop.perf import busy_fraction, read_events
+from nonstop.recipes.agentic_recipe import (
+    AgenticRunConfig,
+    EnvSettings,
+    engine_busy_during,
+    run_agentic,
+)
 from nonstop.recipes.char_tokenizer import char_tokenizer
-from nonstop.rl import RLAlgorithmConfig
-from nonstop.rl.config import KLConfig
-from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
+from nonstop.recipes.rl_recipe import EngineSettings
 from nonstop.sft import SFTRunConfig, train
 from nonstop.sft.config import CheckpointSettings, ModelSource, TokenizerSource
 from nonstop.sft.data import DataConfig
 from nonstop.train import MetricsConfig, OptimizerConfig, PackingConfig
-
-RL_PHASE = "main/agentic_rl"
-EVAL_SEED_OFFSET = 1_000_000  # held-out problems come from seeds the training never draws
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,18 +67,29 @@ class DemoConfig:
         return cls(run_dir=run_dir, sft_steps=60, rl_steps=4, eval_problems=24,
                    groups_per_step=4, group_size=4, progress=False)
 
+    def model_source(self) -> ModelSource:
+        return ModelSource(family="qwen3", hidden_size=self.hidden_size,
+                           intermediate_size=2 * self.hidden_size, num_layers=self.num_layers,
+                           num_heads=4, num_kv_heads=2, head_dim=self.hidden_size // 4,
+                           max_position_embeddings=512)
 
-def _interaction(env_cfg: CalculatorConfig, tokenizer: Tokenizer, task_seed: int,
-                 episode_seed: int) -> ChatInteraction:
-    env = CalculatorEnv(env_cfg)
-    return ChatInteraction(env, tokenizer, get_parser("qwen"), task=env.sample_task(task_seed),
-                           seed=episode_seed, with_tools=False)
-
-
-def _agent_config(tokenizer: Tokenizer, temperature: float) -> AgentConfig:
-    return AgentConfig(max_turns=3, max_tokens_per_turn=96, max_episode_tokens=200,
-                       temperature=temperature, stop_token_ids=tuple(tokenizer.eos_ids),
-                       step_timeout_s=30.0)
+    def agentic(self) -> AgenticRunConfig:
+        """The RL phase as an `nonstop agentic` run on the calculator environment."""
+        return AgenticRunConfig(
+            run_dir=str(Path(self.run_dir) / "agentic"), seed=self.seed, steps=self.rl_steps,
+            num_eval=self.eval_problems, model=self.model_source(),
+            tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
+            env=EnvSettings(name="calculator", max_operand=self.max_operand,
+                            with_tools_in_prompt=False),
+            group_size=self.group_size, groups_per_step=self.groups_per_step,
+            max_staleness=self.max_staleness, max_concurrency=self.max_concurrency,
+            agent=AgentConfig(max_turns=3, max_tokens_per_turn=96, max_episode_tokens=200,
+                              step_timeout_s=30.0),
+            optimizer=OptimizerConfig(learning_rate=self.rl_learning_rate, schedule="constant",
+                                      weight_decay=0.0),
+            packing=PackingConfig(buckets=(320,), rows_per_batch=16, max_segments_per_row=2,
+                                  overlong="truncate"),
+            engine=EngineSettings(max_slots=self.max_concurrency, max_len=512))
 
 
 def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: int) -> None:
@@ -97,17 +100,13 @@ def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: in
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer, env_cfg: CalculatorConfig
-                     ) -> Decoder:
+def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer) -> Decoder:
     data = Path(cfg.run_dir) / "sft_data.jsonl"
-    write_demonstrations(data, env_cfg, n=4000, seed=cfg.seed)
+    write_demonstrations(data, CalculatorConfig(max_operand=cfg.max_operand), n=4000,
+                         seed=cfg.seed)
     sft = SFTRunConfig(
         run_dir=str(Path(cfg.run_dir) / "sft"), steps=cfg.sft_steps, seed=cfg.seed,
-        model=ModelSource(family="qwen3", hidden_size=cfg.hidden_size,
-                          intermediate_size=2 * cfg.hidden_size, num_layers=cfg.num_layers,
-                          num_heads=4, num_kv_heads=2, head_dim=cfg.hidden_size // 4,
-                          max_position_embeddings=512),
-        tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
+        model=cfg.model_source(), tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
         data=DataConfig(paths=(str(data),), kind="chat", num_epochs=None, seed=cfg.seed),
         packing=PackingConfig(buckets=(320,), rows_per_batch=8, max_segments_per_row=2,
                               overlong="truncate"),
@@ -118,84 +117,24 @@ def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer, env_cfg: CalculatorC
     return train(sft, tokenizer=tokenizer).state.model()
 
 
-async def solve_rate(engine: Engine, tokenizer: Tokenizer, env_cfg: CalculatorConfig,
-                     problems: int) -> float:
-    """Greedy episodes on held-out problems through the full agent loop."""
-    def make(spec: EpisodeSpec) -> ChatInteraction:
-        return _interaction(env_cfg, tokenizer, EVAL_SEED_OFFSET + spec.group_id, spec.seed)
-
-    orchestrator = RolloutOrchestrator(engine, make, OrchestratorConfig(
-        group_size=1, max_concurrency=problems, agent=_agent_config(tokenizer, 0.0)))
-    with perf.span(perf.TRAIN_EVAL):
-        groups = await orchestrator.run_groups(range(problems))
-    await orchestrator.close()
-    rewards = [t.reward or 0.0 for g in groups.values() for t in g]
-    return float(np.mean(rewards))
-
-
-async def _with_progress(learner: StreamingLearner, steps: int, show: bool) -> list:
-    """Run the learner with a progress bar fed from its step records."""
-    run = asyncio.create_task(learner.run(steps))
-    with tqdm(total=steps, desc="agentic GRPO", unit="step", disable=not show) as bar:
-        while not run.done():
-            await asyncio.wait({run}, timeout=0.5)
-            records = learner.records
-            if len(records) > bar.n:
-                bar.update(len(records) - bar.n)
-                bar.set_postfix(reward=f"{records[-1].reward_mean:.2f}",
-                                staleness=max(records[-1].staleness, default=0))
-    return run.result()
-
-
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    tokenizer = char_tokenizer("qwen")
-    env_cfg = CalculatorConfig(max_operand=cfg.max_operand)
     perf_dir = run_dir / "perf"
     with perf.run(perf_dir):
-        model = supervised_phase(cfg, tokenizer, env_cfg)
+        model = supervised_phase(cfg, char_tokenizer("qwen"))
         sft_seconds = time.perf_counter() - started
-        algorithm = RLAlgorithmConfig.grpo()
-        algorithm = dataclasses.replace(algorithm, policy_loss=dataclasses.replace(
-            algorithm.policy_loss, kl=KLConfig(coef=0.0)))
-        trainer = PolicyTrainer(model, PolicyTrainerConfig(
-            algorithm=algorithm,
-            optimizer=OptimizerConfig(learning_rate=cfg.rl_learning_rate, schedule="constant",
-                                      weight_decay=0.0),
-            packing=PackingConfig(buckets=(320,), rows_per_batch=16, max_segments_per_row=2,
-                                  overlong="truncate"),
-            seed=cfg.seed))
-        learner_cfg = LearnerConfig(
-            groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
-            orchestrator=OrchestratorConfig(group_size=cfg.group_size,
-                                            max_concurrency=cfg.max_concurrency, seed=cfg.seed,
-                                            agent=_agent_config(tokenizer, 1.0)))
-
-        def make(spec: EpisodeSpec) -> ChatInteraction:
-            return _interaction(env_cfg, tokenizer, cfg.seed + spec.group_id, spec.seed)
-
-        with Engine(trainer.model(), max_slots=cfg.max_concurrency, max_len=512,
-                    tokenizer=tokenizer) as engine:
-            before = asyncio.run(solve_rate(engine, tokenizer, env_cfg, cfg.eval_problems))
-            rl_started = time.perf_counter()
-            learner = StreamingLearner(trainer, engine, make, learner_cfg)
-            with perf.span(RL_PHASE):
-                records = asyncio.run(_with_progress(learner, cfg.rl_steps, cfg.progress))
-            rl_seconds = time.perf_counter() - rl_started
-            after = asyncio.run(solve_rate(engine, tokenizer, env_cfg, cfg.eval_problems))
-    events = read_events(perf_dir).events
-    phase = next(e for e in events if e.name == RL_PHASE)
-    engine_busy = busy_fraction(events, perf.ENGINE, (phase.t0, phase.t1))
+        rl = run_agentic(cfg.agentic(), model=model, progress=cfg.progress)
     summary = {
-        "solve_rate_before_rl": before, "solve_rate_after_rl": after,
-        "rl_steps": len(records), "train_reward_first": records[0].reward_mean if records else None,
-        "train_reward_last": records[-1].reward_mean if records else None,
-        "engine_busy_fraction": engine_busy,
-        "sft_seconds": sft_seconds, "rl_seconds": rl_seconds,
-        "seconds": time.perf_counter() - started,
-        "run_dir": str(run_dir), "tensorboard": str(run_dir / "sft" / "tensorboard"),
+        "solve_rate_before_rl": rl["solve_rate_before"], "solve_rate_after_rl":
+        rl["solve_rate_after"], "rl_steps": rl["steps"],
+        "train_reward_first": rl["train_reward_first"],
+        "train_reward_last": rl["train_reward_last"],
+        "engine_busy_fraction": engine_busy_during(perf_dir),
+        "sft_seconds": sft_seconds, "rl_seconds": rl["rl_seconds"],
+        "seconds": time.perf_counter() - started, "run_dir": str(run_dir),
+        "tensorboard": str(run_dir / "sft" / "tensorboard"),
         "trace": str(perf_dir / "trace.json"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

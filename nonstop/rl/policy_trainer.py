@@ -91,7 +91,12 @@ class PolicyTrainer:
                                      grad_accum_steps=cfg.grad_accum_steps)
         self._logprobs = jax.jit(self._logprob_pass)
         kl = self.algorithm.kl
-        self.needs_reference = kl.coef > 0
+        if kl.enabled and kl.mode == "reward":
+            raise NotImplementedError(
+                f"{self.algorithm.name}: KL as a reward penalty (kl.mode='reward', coef={kl.coef}) "
+                "is not applied by nonstop's learners yet; set kl_coef=0 or use the KL as a loss "
+                "term (kl.mode='loss')")
+        self.needs_reference = kl.enabled
         self._reference_params = None
         if self.needs_reference:
             params = self.state.params

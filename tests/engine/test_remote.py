@@ -35,7 +35,7 @@ from tests.engine.test_server import (
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return build_checkpoint(tmp_path_factory.mktemp("remote_model", numbered=False))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_remote_matches_local_engine(local: Engine, server: str):
         async with RemoteEngine(server, api_key=API_KEY) as remote:
             remote_out = await asyncio.gather(*(remote.generate(p, s)
                                                 for p, s in zip(PROMPTS, PARAMS, strict=True)))
-            assert remote.model == "ckpt0"  # asked /v1/models once
+            assert remote.model == "remote_model"  # asked /v1/models once
         local_out = await asyncio.gather(*(local.generate(p, s)
                                            for p, s in zip(PROMPTS, PARAMS, strict=True)))
         return list(remote_out), list(local_out)
@@ -85,7 +85,7 @@ def test_remote_matches_local_engine(local: Engine, server: str):
 
 def test_http_errors_are_clear(server: str):
     async def main() -> None:
-        async with RemoteEngine(server, api_key=API_KEY, model="ckpt0") as remote:
+        async with RemoteEngine(server, api_key=API_KEY, model="remote_model") as remote:
             with pytest.raises(RemoteRequestError) as info:
                 await remote.generate([5, VOCAB + 1], SamplingParams(max_tokens=2))
             assert isinstance(info.value, RequestError) and info.value.status == 400
@@ -94,7 +94,7 @@ def test_http_errors_are_clear(server: str):
                 remote.model = "some-other-model"
                 await remote.generate([5], SamplingParams(max_tokens=2))
             assert info.value.status == 404
-        async with RemoteEngine(server, api_key="wrong", model="ckpt0") as remote:
+        async with RemoteEngine(server, api_key="wrong", model="remote_model") as remote:
             with pytest.raises(RemoteRequestError, match="API key") as info:
                 await remote.generate([5], SamplingParams(max_tokens=2))
             assert info.value.status == 401
@@ -125,7 +125,7 @@ def test_connection_errors_are_retried(server: str):
 
     async def main() -> None:
         transport = _FailingFirst(failures=2)
-        async with RemoteEngine(server, api_key=API_KEY, model="ckpt0", max_retries=2,
+        async with RemoteEngine(server, api_key=API_KEY, model="remote_model", max_retries=2,
                                 retry_backoff_s=0.01, transport=transport) as remote:
             out = await remote.generate([7, 11], params)
         assert transport.attempts == 3 and len(out.tokens) == 3

@@ -101,7 +101,7 @@ def start_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_K
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return build_checkpoint(tmp_path_factory.mktemp("served_model", numbered=False))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_text_deltas_hold_back_partial_utf8_and_cut_at_stop(tokenizer: Tokenizer
 
 def test_models_and_health(client: httpx.Client, server: str):
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["ckpt0"]
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["served_model"]
     assert models["data"][0]["max_model_len"] == MAX_LEN
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # no key needed
 
@@ -183,11 +183,11 @@ def test_api_key_is_enforced(server: str):
 
 def test_completion_matches_the_openai_schema(client: httpx.Client, tokenizer: Tokenizer):
     prompt = "The quick brown fox"
-    body = {"model": "ckpt0", "prompt": prompt, "max_tokens": 9, "temperature": 0.0,
+    body = {"model": "served_model", "prompt": prompt, "max_tokens": 9, "temperature": 0.0,
             "logprobs": 0, "return_token_ids": True}
     out = client.post("/v1/completions", json=body).json()
     assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
-    assert out["model"] == "ckpt0" and isinstance(out["created"], int)
+    assert out["model"] == "served_model" and isinstance(out["created"], int)
     (choice,) = out["choices"]
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
     assert choice["prompt_token_ids"] == prompt_ids and prompt_ids[0] == tokenizer.bos_id
