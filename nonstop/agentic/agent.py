@@ -121,9 +121,9 @@ class Agent:
                 return "context_full" if room < 1 else "max_tokens"
             turn_seed = derive_seed(seed, turn)
             t0 = time.perf_counter()
-            completion = await self.engine.generate(trajectory.tokens, self._params(turn_seed,
-                                                                                    budget),
-                                                    session=session)
+            with perf.span(perf.ROLLOUT_GENERATE, turn=turn):
+                completion = await self.engine.generate(
+                    trajectory.tokens, self._params(turn_seed, budget), session=session)
             t1 = time.perf_counter()
             info["generate_s"] += t1 - t0
             info["turn_log"].append({

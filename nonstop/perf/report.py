@@ -47,7 +47,7 @@ from nonstop.perf.recorder import EVENTS_FILE, METRICS_FILE, TENSORBOARD_DIR, TR
 
 BEFORE_START = "(not started)"
 AFTER_END = "(finished)"
-GENERATE = "rollout/generate"  # an episode awaiting the engine, where the orchestrator spans it
+GENERATE = stages.ROLLOUT_GENERATE  # an episode awaiting the engine (the Agent spans each turn)
 
 # What a cause means for the role it explains: its own stage, or another role's (cross).
 _OWN_LABELS = {

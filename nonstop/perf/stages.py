@@ -34,6 +34,7 @@ ROLLOUT_DECODE = "rollout/decode"
 ROLLOUT_TOOL_WAIT = "rollout/tool_wait"
 ROLLOUT_ENV = "rollout/env"
 ROLLOUT_REWARD = "rollout/reward"
+ROLLOUT_GENERATE = "rollout/generate"  # an episode awaiting the engine for one turn
 
 # Training.
 TRAIN_DATA_WAIT = "train/data_wait"
