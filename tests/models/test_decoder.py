@@ -139,7 +139,9 @@ def test_sharded_forward_equals_unsharded(family, tmp_path):
 
     expected = forward(reference, tokens)
     got = forward(sharded, tokens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
+    # fsdp splits each contraction over D into two partial sums: float32 addition order changes,
+    # so the bound is relative (logits here reach ~6; observed worst case 2.7e-6 relative).
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
     # shard_model re-places an existing model the same way.
     moved = shard_model(reference, mesh)
     for name in ("q_proj", "o_proj"):
