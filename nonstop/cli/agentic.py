@@ -12,31 +12,21 @@ A bad key or value stops with a message naming it (exit status 2).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from nonstop.models.config import ConfigError
+from nonstop.cli.config_command import add_config_command, load_or_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("agentic", help="agentic RL with tools and async rollouts",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE.yaml", default=None,
-                        help="YAML config (an AgenticRunConfig); omitted: all defaults")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="dotted overrides applied after the file, values parsed as YAML")
-    parser.set_defaults(run=run)
-    return parser
+    return add_config_command(subparsers, "agentic", help="agentic RL with tools and async "
+                              "rollouts", description=__doc__, config_name="AgenticRunConfig",
+                              run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from nonstop.recipes.agentic_recipe import AgenticRunConfig, run_agentic
-    from nonstop.recipes.config_io import load_config
 
-    try:
-        cfg = load_config(AgenticRunConfig, args.config, args.overrides)
-    except (ConfigError, ValueError) as error:
-        print(f"nonstop agentic: {error}", file=sys.stderr)
+    cfg = load_or_report(AgenticRunConfig, args, "nonstop agentic")
+    if cfg is None:
         return 2
     s = run_agentic(cfg)
     print(f"solve rate: {s['solve_rate_before']:.1%} before, {s['solve_rate_after']:.1%} after "

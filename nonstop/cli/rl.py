@@ -14,30 +14,20 @@ or value stops with a message naming it (exit status 2).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from nonstop.models.config import ConfigError
-from nonstop.recipes.config_io import load_config
-from nonstop.recipes.rl_recipe import RLRunConfig, run_rl
+from nonstop.cli.config_command import add_config_command, load_or_report
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("rl", help="RL on prompts (GRPO, Dr.GRPO, DAPO, GSPO, RLOO)",
-                                   description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE.yaml", default=None,
-                        help="YAML config (an RLRunConfig); omitted: all defaults")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="dotted overrides applied after the file, values parsed as YAML")
-    parser.set_defaults(run=run)
-    return parser
+    return add_config_command(subparsers, "rl", help="RL on prompts (GRPO, Dr.GRPO, DAPO, GSPO, "
+                              "RLOO)", description=__doc__, config_name="RLRunConfig", run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(RLRunConfig, args.config, args.overrides)
-    except (ConfigError, ValueError) as error:
-        print(f"nonstop rl: {error}", file=sys.stderr)
+    from nonstop.recipes.rl_recipe import RLRunConfig, run_rl
+
+    cfg = load_or_report(RLRunConfig, args, "nonstop rl")
+    if cfg is None:
         return 2
     summary = run_rl(cfg)
     print(f"eval reward: {summary['eval_before']:.3f} before RL, {summary['eval_after']:.3f} "
