@@ -160,11 +160,11 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
-    tokenizer = build_tokenizer(cfg)  # type: ignore[arg-type]
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     started = time.perf_counter()
     owns_perf = perf.active_run_dir() is None
     with perf.run(run_dir / "perf") if owns_perf else contextlib.nullcontext():
-        model = model if model is not None else build_model(cfg, tokenizer)  # type: ignore[arg-type]
+        model = model if model is not None else build_model(cfg.model, tokenizer, seed=cfg.seed)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
         trainer = PolicyTrainer(model, PolicyTrainerConfig(

@@ -115,17 +115,18 @@ def build_task(cfg: TaskSettings) -> Task:
     return Gsm8kTask.from_file(cfg.path)
 
 
-def build_tokenizer(cfg: RLRunConfig) -> Tokenizer:
-    if cfg.tokenizer.kind == "char":
-        return char_tokenizer(cfg.tokenizer.chat_format)
-    path = cfg.tokenizer.path or cfg.model.path
+def build_tokenizer(source: TokenizerSource, model: ModelSource) -> Tokenizer:
+    """The char tokenizer, or a local tokenizer directory (default: the model checkpoint's)."""
+    if source.kind == "char":
+        return char_tokenizer(source.chat_format)
+    path = source.path or model.path
     if path is None:
         raise ValueError("tokenizer.kind=pretrained needs tokenizer.path or model.path")
     return Tokenizer.from_pretrained(path)
 
 
-def build_model(cfg: RLRunConfig, tokenizer: Tokenizer):
-    source = cfg.model
+def build_model(source: ModelSource, tokenizer: Tokenizer, *, seed: int = 0):
+    """A local checkpoint, or a preset / tiny config with random weights sized to the tokenizer."""
     if source.kind == "checkpoint":
         model = load_pretrained(source.path)
     else:
@@ -136,7 +137,7 @@ def build_model(cfg: RLRunConfig, tokenizer: Tokenizer):
         else:
             model_cfg = ModelConfig.tiny(source.family, **{"vocab_size": tokenizer.vocab_size,
                                                            **special, **source.tiny_overrides()})
-        model = init_decoder(model_cfg, seed=cfg.seed)
+        model = init_decoder(model_cfg, seed=seed)
     if model.cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"the model's vocab_size ({model.cfg.vocab_size}) is smaller than the "
                          f"tokenizer's ({tokenizer.vocab_size})")
@@ -166,10 +167,10 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     task = build_task(cfg.task)
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     eval_examples = task.eval_examples(cfg.task.num_eval, seed=cfg.seed + 1)
     with perf.run(run_dir / "perf"):
-        model = build_model(cfg, tokenizer)
+        model = build_model(cfg.model, tokenizer, seed=cfg.seed)
         checkpointer = Checkpointer(CheckpointConfig(
             directory=str(run_dir / "checkpoints"), save_every=cfg.checkpoint.save_every,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save))

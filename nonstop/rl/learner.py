@@ -133,9 +133,13 @@ class Learner:
             groups.append(group)
         return groups
 
+    def answer_text(self, ids: Sequence[int]) -> str:
+        """Sampled ids as the text a reward sees: stop tokens and special tokens dropped."""
+        kept = [int(x) for x in ids if int(x) not in self.tokenizer.eos_ids]
+        return self.tokenizer.decode(kept, skip_special_tokens=True)
+
     def completion_text(self, t: Trajectory) -> str:
-        ids = [int(x) for x in t.tokens[t.prompt_length:] if int(x) not in self.tokenizer.eos_ids]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.answer_text(t.tokens[t.prompt_length:])
 
     async def _score(self, groups: list[list[Trajectory]], examples: Sequence[Example],
                      stats: StepStats) -> list[list[Trajectory]]:
@@ -220,8 +224,7 @@ class Learner:
         with perf.span(perf.TRAIN_EVAL, step=self.step):
             completions = await asyncio.gather(*[self.engine.generate(p, params)
                                                  for p in prompts])
-            texts = [self.tokenizer.decode([t for t in c.tokens if t not in self.tokenizer.eos_ids],
-                                           skip_special_tokens=True) for c in completions]
+            texts = [self.answer_text(c.tokens) for c in completions]
             result = await evaluate_rewards(self.reward, [e.prompt for e in examples], texts,
                                             list(examples), on_error="zero")
         return float(np.mean(result.rewards))

@@ -71,8 +71,8 @@ def test_real_checkpoint_configs_build_from_a_stand_in(path, stand_ins):
         tokenizer = load_tokenizer(cfg)
         model = build_sft_model(cfg, tokenizer)
     else:
-        tokenizer = build_tokenizer(cfg)
-        model = build_model(cfg, tokenizer)
+        tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+        model = build_model(cfg.model, tokenizer, seed=cfg.seed)
     assert model.cfg.family == FAMILY[key][0]
     assert tokenizer.vocab_size <= model.cfg.vocab_size
 
