@@ -35,6 +35,13 @@ from nonstop.agentic.parsers import (
     get_parser,
     parse_tool_calls,
 )
+from nonstop.agentic.ray_backend import (
+    EnvironmentActorDied,
+    RayEnvConfig,
+    RayEnvironment,
+    RayEnvironmentPool,
+    init_ray,
+)
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
 from nonstop.agentic.streaming import StalenessGate, StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.tools import Tool, ToolError, ToolErrorKind, ToolResult, ToolSet
@@ -78,6 +85,11 @@ __all__ = [
     "ParseError",
     "ParsedTurn",
     "QwenParser",
+    "EnvironmentActorDied",
+    "RayEnvConfig",
+    "RayEnvironment",
+    "RayEnvironmentPool",
+    "init_ray",
     "Sandbox",
     "SandboxConfig",
     "SandboxResult",

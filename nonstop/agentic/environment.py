@@ -119,6 +119,10 @@ class Environment(abc.ABC):
         """A correct conversation for `task` (for SFT warm-up); not every env has one."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations")
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the episode holds (e.g. its state in a Ray actor); called once when the
+        episode ends, however it ended."""
+
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -104,6 +104,9 @@ class ChatInteraction(Interaction):
     async def reward(self) -> float:
         return float(await self.env.final_reward())
 
+    def close(self) -> None:
+        self.env.close()
+
 
 ScriptedTool = Callable[[int, Sequence[int]], Awaitable[Sequence[int]]]
 AnswerReward = Callable[[Sequence[int]], float]

@@ -29,6 +29,7 @@ from jax import Array
 
 from nonstop.engine.sampling import sample
 from nonstop.models import Decoder, KVCache
+from nonstop.models.multimodal import Gemma3VLM
 
 
 class SamplingArrays(NamedTuple):
@@ -76,6 +77,13 @@ class DeviceSteps:
         self.traces: collections.Counter[str] = collections.Counter()
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        # Vision-language models: images are encoded once per request, and a prefill chunk that
+        # holds image tokens takes their soft tokens row by row (see `prefill_images`).
+        self.image_token_id = (model.vlm_cfg.image_token_id if isinstance(model, Gemma3VLM)
+                               else None)
+        if self.image_token_id is not None:
+            self._encode = jax.jit(self._encode_fn)
+            self._prefill_images = jax.jit(self._prefill_images_fn, donate_argnums=(1,))
 
     def new_cache(self) -> KVCache:
         return KVCache.create(self.cfg, num_slots=self.num_slots, max_len=self.max_len,
@@ -103,6 +111,40 @@ class DeviceSteps:
                                        jnp.ones_like(tokens), cache, slot[None])
         last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
         return cache, model.logits(last[None])[:, 0]  # [1, V]
+
+    def _encode_fn(self, state: nnx.State, images: Array) -> Array:
+        self.traces[f"encode_images_{images.shape[0]}"] += 1
+        return nnx.merge(self.graphdef, state).encode_images(images)
+
+    def _prefill_images_fn(self, state: nnx.State, cache: KVCache, tokens: Array,
+                           features: Array, lookahead: Array, start: Array, length: Array,
+                           slot: Array) -> tuple[KVCache, Array]:
+        C = tokens.shape[1]
+        self.traces[f"prefill_images_{C}"] += 1
+        model = nnx.merge(self.graphdef, state)
+        idx = jnp.arange(C, dtype=jnp.int32)
+        positions = jnp.where(idx < length, start + idx, self.max_len)[None, :]
+        is_image = tokens == self.image_token_id
+        x = model.embed_tokens(jnp.where(is_image, 0, tokens))
+        x = jnp.where(is_image[..., None], features[None].astype(x.dtype), x)
+        h, cache = model.hidden_states(x, positions, jnp.ones_like(tokens), cache, slot[None],
+                                       lookahead)
+        last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
+        return cache, model.logits(last[None])[:, 0]
+
+    def encode_images(self, state: nnx.State, images: np.ndarray) -> np.ndarray:
+        """Processed images float32[I, H, W, C] -> soft tokens float32[I * M, D] on the host."""
+        feats = self._encode(state, images)
+        return np.asarray(jax.device_get(feats), np.float32).reshape(-1, feats.shape[-1])
+
+    def prefill_images(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
+                       features: np.ndarray, lookahead: np.ndarray, start: int, length: int,
+                       slot: int, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
+        """As `prefill`, with image soft tokens features float32[C, D] at the image rows and
+        lookahead int32[1, C] (image tokens see the rest of their image, all in this chunk)."""
+        cache, logits = self._prefill_images(state, cache, tokens, features, lookahead,
+                                             np.int32(start), np.int32(length), np.int32(slot))
+        return cache, _sample(logits, sampling)
 
     def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
                positions: np.ndarray, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from nonstop.engine.config import EngineConfig, EngineConfigError
 from nonstop.engine.device import SAMPLER_TRACES, DeviceSteps
+from nonstop.engine.images import check_image_prompt
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
 from nonstop.engine.scheduler import Detokenizer, Request, Resolve, Scheduler, Session
 from nonstop.engine.types import Completion, EngineError, RequestError
@@ -127,9 +128,12 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     async def generate(self, token_ids: Sequence[int] | np.ndarray,
-                       params: SamplingParams | None = None, session: Session | None = None
-                       ) -> Completion:
-        """Generate a continuation of `token_ids` (the whole context, also in a session)."""
+                       params: SamplingParams | None = None, session: Session | None = None,
+                       *, images: np.ndarray | None = None) -> Completion:
+        """Generate a continuation of `token_ids` (the whole context, also in a session).
+
+        `images`: processed images float32[I, H, W, C] for the prompt's image placeholders
+        (vision-language models only; not within a session)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
 
@@ -139,7 +143,7 @@ class Engine:
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 pass
 
-        request = self._submit(token_ids, params, session, resolve)
+        request = self._submit(token_ids, params, session, resolve, images)
         try:
             return await future
         except asyncio.CancelledError:
@@ -148,7 +152,8 @@ class Engine:
             raise
 
     def submit(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
-               session: Session | None = None) -> concurrent.futures.Future[Completion]:
+               session: Session | None = None, *, images: np.ndarray | None = None
+               ) -> concurrent.futures.Future[Completion]:
         """Thread-safe, non-async: a `concurrent.futures.Future` of the completion."""
         future: concurrent.futures.Future[Completion] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
@@ -161,14 +166,15 @@ class Engine:
             else:
                 future.set_result(result)
 
-        self._submit(token_ids, params, session, resolve)
+        self._submit(token_ids, params, session, resolve, images)
         return future
 
     def generate_sync(self, token_ids: Sequence[int] | np.ndarray,
                       params: SamplingParams | None = None, session: Session | None = None,
-                      timeout: float | None = None) -> Completion:
+                      timeout: float | None = None, *, images: np.ndarray | None = None
+                      ) -> Completion:
         """Blocking `generate`, for scripts, tests and benchmarks."""
-        return self.submit(token_ids, params, session).result(timeout)
+        return self.submit(token_ids, params, session, images=images).result(timeout)
 
     def session(self) -> Session:
         """A new session: its turns keep their slot's KV cache (see `Session`)."""
@@ -183,10 +189,33 @@ class Engine:
         return self._scheduler
 
     def _submit(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams | None,
-                session: Session | None, resolve: Resolve) -> Request:
+                session: Session | None, resolve: Resolve,
+                images: np.ndarray | None = None) -> Request:
         request = self._request(token_ids, params, session, resolve)
+        if images is not None:
+            request.image_features = self._image_features(request.prompt, images, session)
         self._ensure_started().post(("submit", request))
         return request
+
+    def _image_features(self, prompt: list[int], images: np.ndarray,
+                        session: Session | None) -> np.ndarray:
+        image_id = self._device.image_token_id
+        if image_id is None:
+            raise RequestError("images: this engine's model has no vision tower")
+        if session is not None:
+            raise RequestError("images: image prompts are not supported within a session")
+        images = np.asarray(images, np.float32)
+        if images.ndim != 4:
+            raise RequestError(f"images: expected processed images float32[I, H, W, C], got "
+                               f"shape {list(images.shape)}")
+        state = (self._scheduler.state if self._scheduler is not None
+                 else self._device.initial_state)
+        try:
+            features = self._device.encode_images(state, images)
+            check_image_prompt(prompt, features, image_id, max(self.config.chunk_sizes))
+        except ValueError as e:
+            raise RequestError(f"images: {e}") from None
+        return features
 
     def _request(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams | None,
                  session: Session | None, resolve: Resolve) -> Request:

@@ -33,6 +33,7 @@ from flax import nnx
 from nonstop import perf
 from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps, SamplingArrays
+from nonstop.engine.images import image_chunk, image_safe_length
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
 
 _log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class Request:
     session: Session | None
     resolve: Resolve
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Image soft tokens float32[num_image_tokens, D] of a vision-language prompt (engine/images.py).
+    image_features: np.ndarray | None = None
     slot: int = -1
     prefill_pos: int = 0
     num_cached: int = 0
@@ -296,6 +299,8 @@ class Scheduler(threading.Thread):
         else:
             cached.clear()
         n = min(_common_prefix(cached, req.prompt), len(req.prompt) - 1)
+        if req.image_features is not None:  # equal placeholders may stand for other images
+            n = 0
         del cached[n:]
         req.prefill_pos = req.num_cached = n
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = (
@@ -318,15 +323,25 @@ class Scheduler(threading.Thread):
             assert req is not None
             start = req.prefill_pos
             n = min(len(req.prompt) - start, self.config.chunk_for(len(req.prompt) - start))
+            image_id = self.device.image_token_id
+            if req.image_features is not None:
+                n = image_safe_length(req.prompt, start, n, image_id)
             C = self.config.chunk_for(n)
             chunk = np.zeros((1, C), np.int32)
             chunk[0, :n] = req.prompt[start:start + n]
             try:
                 with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C):
                     with perf.device_busy(perf.ENGINE):
-                        self.cache, out = self.device.prefill(
-                            self.state, self.cache, chunk, start, n, slot,
-                            self._sampling(slice(slot, slot + 1)))
+                        if req.image_features is not None:
+                            feats, lookahead = image_chunk(req.prompt, req.image_features,
+                                                           start, n, C, image_id)
+                            self.cache, out = self.device.prefill_images(
+                                self.state, self.cache, chunk, feats, lookahead, start, n, slot,
+                                self._sampling(slice(slot, slot + 1)))
+                        else:
+                            self.cache, out = self.device.prefill(
+                                self.state, self.cache, chunk, start, n, slot,
+                                self._sampling(slice(slot, slot + 1)))
                         out = jax.device_get(out)
             except Exception as error:  # noqa: BLE001 - the device step failed: fail the slots
                 self._device_failure(error)

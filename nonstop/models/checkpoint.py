@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import Decoder, abstract_decoder
 from nonstop.models.hf_weights import IGNORED_SUFFIXES, WeightSpec, weight_specs
+from nonstop.models.multimodal import Gemma3VLM, is_vlm_config
 from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules
 
@@ -65,8 +66,9 @@ def _to_layout(view: np.ndarray, spec: WeightSpec, dtype: np.dtype) -> np.ndarra
 
 def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
                     param_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
-                    rules: ShardingRules = DEFAULT_RULES) -> Decoder:
-    """A `Decoder` with the weights of a local Hugging Face checkpoint directory.
+                    rules: ShardingRules = DEFAULT_RULES) -> Decoder | Gemma3VLM:
+    """A `Decoder` (or, for a Gemma 3 vision-language checkpoint, a `Gemma3VLM`) with the
+    weights of a local Hugging Face checkpoint directory.
 
     `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: `dtype`).
     With a `mesh`, each parameter lands on the sharding its logical axes map to.
@@ -74,6 +76,12 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass a local Hugging Face checkpoint")
+    if (path / "config.json").exists() and is_vlm_config(json.loads(
+            (path / "config.json").read_text())):
+        from nonstop.models.sharding import shard_model
+        from nonstop.models.vlm_checkpoint import load_vlm  # Gemma 3 with its vision tower
+        vlm = load_vlm(path, dtype=dtype, param_dtype=param_dtype)
+        return vlm if mesh is None else shard_model(vlm, mesh, rules)
     cfg = ModelConfig.from_hf(path / "config.json")
     param_dtype = param_dtype or dtype
     specs = weight_specs(cfg)
@@ -104,13 +112,16 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     return nnx.merge(graphdef, abstract)
 
 
-def save_pretrained(model: Decoder, path: str | Path, *, dtype: jnp.dtype | None = None,
-                    max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_pretrained(model: Decoder | Gemma3VLM, path: str | Path, *,
+                    dtype: jnp.dtype | None = None, max_shard_bytes: int = 2 * 1024**3) -> None:
     """Write `model` as a Hugging Face checkpoint directory that transformers loads.
 
     Tensors are written in `dtype` (default: the parameters' own), split into shards of at most
     `max_shard_bytes` with a `model.safetensors.index.json` when there is more than one.
     """
+    if isinstance(model, Gemma3VLM):
+        from nonstop.models.vlm_checkpoint import save_vlm
+        return save_vlm(model, path, dtype=dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg

@@ -109,13 +109,17 @@ class Attention(nnx.Module):
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
                  segment_ids: Array, cache: tuple[Array, Array] | None,
-                 slots: Array | None) -> tuple[Array, tuple[Array, Array] | None]:
+                 slots: Array | None, lookahead: Array | None = None
+                 ) -> tuple[Array, tuple[Array, Array] | None]:
+        """`lookahead` int32[B, T] (default 0) lets a query also see that many following keys:
+        Gemma 3's image tokens see their whole image (bidirectional within the image)."""
         q, k, v = self._project(x, rope)
         B, T = positions.shape
         if cache is None:
             idx = jnp.arange(T)
+            limit = idx[None, :] if lookahead is None else idx[None, :] + lookahead
             allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (
-                idx[None, :, None] >= idx[None, None, :])
+                limit[:, :, None] >= idx[None, None, :])
             if self.window is not None:
                 allowed &= idx[None, :, None] - idx[None, None, :] < self.window
             out = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
@@ -131,7 +135,8 @@ class Attention(nnx.Module):
                 v.astype(v_cache.dtype), mode="drop")
             keys, values = (k_cache, v_cache) if slots is None else (k_cache[slots], v_cache[slots])
             cache_pos = jnp.arange(L)
-            allowed = cache_pos[None, None, :] <= positions[:, :, None]
+            limit = positions if lookahead is None else positions + lookahead
+            allowed = cache_pos[None, None, :] <= limit[:, :, None]
             if self.window is not None:
                 allowed &= positions[:, :, None] - cache_pos[None, None, :] < self.window
             out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), allowed)
@@ -180,8 +185,10 @@ class Block(nnx.Module):
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
                  segment_ids: Array, cache: tuple[Array, Array] | None,
-                 slots: Array | None) -> tuple[Array, tuple[Array, Array] | None]:
-        h, cache = self.attn(self.input_norm(x), rope, positions, segment_ids, cache, slots)
+                 slots: Array | None, lookahead: Array | None = None
+                 ) -> tuple[Array, tuple[Array, Array] | None]:
+        h, cache = self.attn(self.input_norm(x), rope, positions, segment_ids, cache, slots,
+                             lookahead)
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h

@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,12 +29,18 @@ import yaml
 from tqdm import tqdm
 
 from nonstop import perf
-from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.config import (
+    AgentConfig,
+    AgenticConfigError,
+    LearnerConfig,
+    OrchestratorConfig,
+)
 from nonstop.agentic.environment import Environment
 from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.parsers import get_parser
+from nonstop.agentic.ray_backend import RayEnvConfig, RayEnvironmentPool, import_ray, init_ray
 from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ChatInteraction
 from nonstop.engine import Engine
@@ -46,6 +55,7 @@ from nonstop.sft.config import ModelSource, TokenizerSource
 from nonstop.train import OptimizerConfig, PackingConfig
 
 EnvName = Literal["calculator", "gridworld"]
+EnvBackend = Literal["local", "ray"]
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from seeds training never draws
 RL_PHASE = "main/agentic_rl"  # the span around the learner's run, for figures over RL alone
 
@@ -56,6 +66,16 @@ class EnvSettings:
     max_operand: int = 20  # calculator
     with_tools_in_prompt: bool = True  # render tool schemas into the system prompt
     chat_format: ChatFormat = "qwen"  # which tool-call format the parser reads
+    backend: EnvBackend = "local"  # "ray": reset/step run in Ray actors (see docs/scaling.md)
+    ray: RayEnvConfig = RayEnvConfig()  # with backend "ray": cluster address, actors
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "ray"):
+            raise AgenticConfigError(f"EnvSettings.backend = {self.backend!r} is not valid; "
+                                     "valid: 'local' (in-process) or 'ray' (Ray actors)")
+        if self.backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise AgenticConfigError("EnvSettings.backend = 'ray' needs the `ray` package, "
+                                     "which is not installed: `pip install nonstop[ray]`")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +105,14 @@ class AgenticRunConfig:
                                            max_segments_per_row=4, overlong="truncate")
     engine: EngineSettings = EngineSettings(max_slots=64, max_len=512)
 
+    def __post_init__(self) -> None:
+        kl = self.algorithm_config().kl
+        if kl.enabled and kl.mode == "reward":
+            raise ValueError(
+                f"algorithm={self.algorithm!r} with kl_coef={kl.coef}: the streaming pipeline "
+                "scores groups as they complete, before any reference pass, so KL as a reward "
+                "penalty is applied only by `nonstop rl`'s batch learner; set kl_coef: 0 here")
+
     def algorithm_config(self):
         from nonstop.recipes.rl_recipe import RLRunConfig
 
@@ -97,11 +125,29 @@ def make_env(cfg: EnvSettings) -> Environment:
     return GridWorldEnv()
 
 
-def interaction_factory(cfg: AgenticRunConfig, tokenizer: Tokenizer, task_offset: int):
+@contextlib.contextmanager
+def env_backend(cfg: EnvSettings) -> Iterator[Callable[[], Environment]]:
+    """What builds each episode's environment: in-process, or on Ray actors (joining
+    `cfg.ray.address`, or starting a local Ray when none is running) that live for the block."""
+    if cfg.backend == "local":
+        yield functools.partial(make_env, cfg)
+        return
+    started = init_ray(cfg.ray)
+    try:
+        with RayEnvironmentPool(functools.partial(make_env, cfg), cfg.ray) as pool:
+            yield pool.environment
+    finally:
+        if started:
+            import_ray().shutdown()
+
+
+def interaction_factory(cfg: AgenticRunConfig, tokenizer: Tokenizer, task_offset: int,
+                        new_env: Callable[[], Environment] | None = None):
     parser = get_parser(cfg.env.chat_format)
+    new_env = new_env or functools.partial(make_env, cfg.env)
 
     def make(spec: EpisodeSpec) -> ChatInteraction:
-        env = make_env(cfg.env)
+        env = new_env()
         return ChatInteraction(env, tokenizer, parser,
                                task=env.sample_task(task_offset + spec.group_id),
                                seed=spec.seed, with_tools=cfg.env.with_tools_in_prompt)
@@ -114,10 +160,11 @@ def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, temperature: float
     return dataclasses.replace(cfg.agent, temperature=temperature, stop_token_ids=stops)
 
 
-async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer) -> float:
+async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+                     new_env: Callable[[], Environment] | None = None) -> float:
     """Mean reward of greedy episodes on held-out tasks."""
     orchestrator = RolloutOrchestrator(
-        engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET),
+        engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET, new_env),
         OrchestratorConfig(group_size=1, max_concurrency=cfg.max_concurrency,
                            agent=agent_config(cfg, tokenizer, 0.0)))
     with perf.span(perf.TRAIN_EVAL):
@@ -178,15 +225,16 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                                             agent=agent_config(cfg, tokenizer, 1.0)))
         learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
         with Engine(trainer.model(), max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
-                    tokenizer=tokenizer) as engine:
-            before = asyncio.run(solve_rate(engine, cfg, tokenizer))
-            learner = learner_cls(trainer, engine, interaction_factory(cfg, tokenizer, cfg.seed),
+                    tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
+            before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
+            learner = learner_cls(trainer, engine,
+                                  interaction_factory(cfg, tokenizer, cfg.seed, new_env),
                                   learner_cfg)
             rl_started = time.perf_counter()
             with perf.span(RL_PHASE):
                 records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
             rl_seconds = time.perf_counter() - rl_started
-            after = asyncio.run(solve_rate(engine, cfg, tokenizer))
+            after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
     with (run_dir / "metrics.jsonl").open("a") as f:
         for r in records:
             f.write(json.dumps({"step": r.version + 1, "reward_mean": r.reward_mean,
@@ -201,5 +249,5 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             "run_dir": str(run_dir)}
 
 
-__all__ = ["RL_PHASE", "AgenticRunConfig", "EnvSettings", "engine_busy_during", "run_agentic",
-           "solve_rate", "train_with_progress"]
+__all__ = ["RL_PHASE", "AgenticRunConfig", "EnvSettings", "engine_busy_during", "env_backend",
+           "run_agentic", "solve_rate", "train_with_progress"]

@@ -27,6 +27,7 @@ from nonstop.models import (
     Tokenizer,
     init_decoder,
     load_pretrained,
+    save_pretrained,
 )
 from nonstop.models.lora import LoRAConfig, apply_lora
 from nonstop.recipes.char_tokenizer import char_tokenizer
@@ -47,7 +48,7 @@ from nonstop.train import (
     PackingConfig,
 )
 
-AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo"]
+AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo", "ppo"]
 TaskName = Literal["arithmetic", "countdown", "gsm8k"]
 
 
@@ -89,6 +90,7 @@ class RLRunConfig:
     rollout: RolloutConfig = RolloutConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-4, schedule="constant",
                                                  weight_decay=0.0)
+    critic_optimizer: OptimizerConfig | None = None  # ppo's value model; None: `optimizer`
     packing: PackingConfig = PackingConfig(buckets=(64, 128, 256, 512), rows_per_batch=16,
                                            max_segments_per_row=16)
     inner_epochs: int = 1
@@ -175,19 +177,39 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             directory=str(run_dir / "checkpoints"), save_every=cfg.checkpoint.save_every,
             keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save))
         resuming = checkpointer.latest_step() is not None
-        if cfg.warmup.steps and not resuming:
+        # The warmed-up model is kept: a resumed run rebuilds the same initial policy (the KL
+        # reference and the critic's starting point) instead of a random one.
+        warm_dir = run_dir / "warmup_model"
+        if cfg.warmup.steps and resuming and (warm_dir / "config.json").exists():
+            model = load_pretrained(warm_dir)
+        elif cfg.warmup.steps and not resuming:
             model = supervised_warmup(model, tokenizer, task, cfg.warmup, seed=cfg.seed)
+            save_pretrained(model, warm_dir)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
         trainer = PolicyTrainer(model, PolicyTrainerConfig(
             algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
-            inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None, seed=cfg.seed))
+            inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None,
+            critic_optimizer=cfg.critic_optimizer, seed=cfg.seed))
+        critic_checkpointer = None
+        if trainer.critic is not None:
+            critic_checkpointer = Checkpointer(CheckpointConfig(
+                directory=str(run_dir / "critic_checkpoints"),
+                save_every=cfg.checkpoint.save_every, keep_last=cfg.checkpoint.keep_last,
+                async_save=cfg.checkpoint.async_save))
         start_step, consumed = 0, 0
         if resuming:
             restored = checkpointer.restore(trainer.state)
             trainer.state = restored.state
             start_step = int(restored.step)
             consumed = int(restored.data_state["examples_consumed"])
+            if critic_checkpointer is not None:
+                if start_step not in critic_checkpointer.all_steps():
+                    raise FileNotFoundError(
+                        f"{run_dir}: policy checkpoint at step {start_step} but no critic "
+                        f"checkpoint in {run_dir / 'critic_checkpoints'}; cannot resume PPO")
+                critic = critic_checkpointer.restore(trainer.critic.state, step=start_step)
+                trainer.critic.state = critic.state
         examples = CountingIterator(task.iter_examples("train", cfg.seed), skip=consumed)
         writer = MetricsWriter(run_dir, MetricsConfig(progress_bar=progress),
                                total_steps=cfg.steps, resume_step=start_step or None)
@@ -205,6 +227,10 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                 with perf.span(perf.TRAIN_CHECKPOINT, step=step):
                     checkpointer.save(step, trainer.state,
                                       data_state={"examples_consumed": examples.consumed})
+                    if critic_checkpointer is not None:
+                        critic_checkpointer.save(step, trainer.critic.state,
+                                                 data_state={"examples_consumed":
+                                                             examples.consumed})
 
         started = time.perf_counter()
         with Engine(trainer.model(), max_slots=cfg.engine.max_slots,
@@ -215,8 +241,10 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             learner.step = start_step
             before = asyncio.run(learner.evaluate(eval_examples))
             history = asyncio.run(learner.run(eval_examples))
-        checkpointer.wait()
-        checkpointer.close()
+        for ckpt in (checkpointer, critic_checkpointer):
+            if ckpt is not None:
+                ckpt.wait()
+                ckpt.close()
         writer.close()
     evals = [h["eval_reward"] for h in history if "eval_reward" in h]
     return {"eval_before": before, "eval_after": evals[-1] if evals else before,

@@ -171,17 +171,25 @@ class Learner:
             if algorithm.dynamic_sampling and np.all(values == values[0]):
                 stats.groups_dropped_no_variance += 1
                 continue
-            estimator = algorithm.advantage.estimator
-            if estimator == "gae":
-                raise NotImplementedError(
-                    "PPO's GAE advantages need a value model, which the batch learner does not "
-                    "have yet; use grpo, dr_grpo, dapo, gspo, gspo_token or rloo")
-            adv = episode_advantages(jnp.asarray(values), jnp.zeros(len(valid), jnp.int32),
+            kept.append(valid)
+        estimator = algorithm.advantage.estimator
+        if estimator == "gae":
+            return kept  # PPO: per-token advantages come from the critic inside the trainer
+        penalties = [np.zeros(len(g), np.float32) for g in kept]
+        if self.trainer.kl_in_reward and kept:
+            # KL as a reward penalty for group estimators: each episode's summed per-token KL.
+            kl = self.trainer.sequence_kl([t for g in kept for t in g])
+            sizes = np.cumsum([0] + [len(g) for g in kept])
+            penalties = [algorithm.kl.coef * kl[a:b] for a, b in itertools.pairwise(sizes)]
+        for group, penalty in zip(kept, penalties, strict=True):
+            for t, p in zip(group, penalty, strict=True):
+                t.info["kl_penalty"] = float(p)
+            values = np.asarray([t.reward for t in group], np.float32) - penalty
+            adv = episode_advantages(jnp.asarray(values), jnp.zeros(len(group), jnp.int32),
                                      num_groups=1, estimator=estimator,
                                      std_eps=algorithm.advantage.std_eps)
-            for t, a in zip(valid, np.asarray(adv), strict=True):
+            for t, a in zip(group, np.asarray(adv), strict=True):
                 t.advantage = float(a)
-            kept.append(valid)
         return kept
 
     async def collect(self, step: int) -> tuple[list[list[Trajectory]], StepStats]:
@@ -243,6 +251,8 @@ class Learner:
             rewards = [t.reward for t in episodes]
             metrics.update(reward_mean=float(np.mean(rewards)),
                            completion_tokens=float(np.mean([t.num_sampled for t in episodes])))
+            if self.trainer.kl_in_reward and "kl_penalty" in episodes[0].info:
+                metrics["kl_penalty"] = float(np.mean([t.info["kl_penalty"] for t in episodes]))
             metrics.update(self.trainer.train(episodes))
         self.step += 1
         self.sync_weights()

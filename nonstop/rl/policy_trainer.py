@@ -8,7 +8,16 @@ The batch learner (`learner.py`) and the agentic streaming learner feed it; give
 trajectories in the same order they take exactly the same steps.
 
 The reference policy is a frozen copy of the initial trainable weights, or, when only LoRA
-adapters train, the same model with the adapters zeroed (no second copy of the base).
+adapters train, the same model with the adapters zeroed (no second copy of the base). KL to it
+is either a loss term (`kl.mode="loss"`, inside the jitted step) or a reward penalty
+(`kl.mode="reward"`): per token on GAE's token rewards (PPO), or summed over each episode's
+sampled tokens and subtracted from its reward before group advantages (`sequence_kl`, RLOO).
+Both read the behaviour log-probs, i.e. the policy that sampled, as verl does.
+
+PPO (`algorithm.value` set) adds a `Critic`: before the first update of a step, the critic
+scores every packed row, GAE turns token rewards (the episode reward on its last sampled token,
+minus the KL penalty) into advantages and returns, advantages are whitened over the whole step,
+and each policy step is followed by a critic step on the clipped value loss.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from nonstop import perf
 from nonstop.models import Decoder
 from nonstop.rl.aggregation import aggregate
 from nonstop.rl.config import RLAlgorithmConfig
+from nonstop.rl.critic import Critic, ValueBatch, ValueModel
+from nonstop.rl.kl import kl_estimate
 from nonstop.rl.policy_loss import policy_loss
 from nonstop.rl.trajectory import Trajectory
-from nonstop.rl.value_loss import token_entropy
+from nonstop.rl.value_loss import gae, token_entropy
 from nonstop.train import (
     OptimizerConfig,
     PackedBatch,
@@ -53,6 +64,7 @@ class PolicyTrainerConfig:
     inner_epochs: int = 1  # μ: passes over each step's batches
     grad_accum_steps: int = 1
     lora_only: bool = False  # train only nnx.LoRAParam (the reference is then adapters-off)
+    critic_optimizer: OptimizerConfig | None = None  # PPO's value model; None: `optimizer`'s
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,13 +75,18 @@ class PolicyTrainerConfig:
                              f"multiple of grad_accum_steps ({self.grad_accum_steps})")
 
 
-def trajectory_units(trajectories: Sequence[Trajectory]) -> list[tuple[TokenSequence]]:
-    """One packing unit per trajectory, its advantage broadcast onto its sampled tokens."""
+def trajectory_units(trajectories: Sequence[Trajectory], *, per_token: bool = False
+                     ) -> list[tuple[TokenSequence]]:
+    """One packing unit per trajectory, its advantage broadcast onto its sampled tokens.
+
+    `per_token` (GAE): advantages are computed after packing, so they start at 0 here.
+    """
     units = []
     for t in trajectories:
-        if t.advantage is None:
+        if t.advantage is None and not per_token:
             raise ValueError(f"episode {t.episode_id} has no advantage; score its group first")
-        adv = np.where(t.loss_mask, np.float32(t.advantage), np.float32(0.0))
+        value = 0.0 if per_token else t.advantage
+        adv = np.where(t.loss_mask, np.float32(value), np.float32(0.0))
         units.append((TokenSequence(tokens=t.tokens, loss_mask=t.loss_mask, advantages=adv,
                                     behavior_logprobs=t.behavior_logprobs,
                                     origin=f"episode {t.episode_id}"),))
@@ -91,11 +108,7 @@ class PolicyTrainer:
                                      grad_accum_steps=cfg.grad_accum_steps)
         self._logprobs = jax.jit(self._logprob_pass)
         kl = self.algorithm.kl
-        if kl.enabled and kl.mode == "reward":
-            raise NotImplementedError(
-                f"{self.algorithm.name}: KL as a reward penalty (kl.mode='reward', coef={kl.coef}) "
-                "is not applied by nonstop's learners yet; set kl_coef=0 or use the KL as a loss "
-                "term (kl.mode='loss')")
+        self.kl_in_reward = kl.enabled and kl.mode == "reward"
         self.needs_reference = kl.enabled
         self._reference_params = None
         if self.needs_reference:
@@ -105,6 +118,15 @@ class PolicyTrainer:
         correction = self.algorithm.policy_loss.off_policy.correction
         self.needs_old = cfg.inner_epochs > 1 or correction == "decoupled"
         self.steps_taken = 0
+        self.critic: Critic | None = None
+        if self.algorithm.value is not None:
+            loss = self.algorithm.policy_loss
+            self.critic = Critic(ValueModel.from_policy(model), self.algorithm.value,
+                                 optimizer=cfg.critic_optimizer or cfg.optimizer,
+                                 aggregation=loss.aggregation, max_segments=self.max_segments,
+                                 max_len_norm=loss.max_len_norm,
+                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed + 1)
+            self._gae = jax.jit(self._gae_pass)
 
     # ---- pure functions (jitted) ---------------------------------------------------------------
 
@@ -134,10 +156,84 @@ class PolicyTrainer:
         logits, _ = model(batch.tokens, batch.positions, batch.segment_ids)
         return token_logprobs(logits, batch.tokens)
 
+    def _reward_kl(self, batch: TrainBatch) -> jax.Array:
+        """float32[B,T] per-token KL(behaviour || reference), 0 off the targets."""
+        mask = target_mask(batch.loss_mask, batch.segment_ids)
+        return kl_estimate(batch.behavior_logprobs, batch.ref_logprobs, mask,
+                           estimator=self.algorithm.kl.estimator)
+
+    def _gae_pass(self, values: jax.Array, token_rewards: jax.Array,
+                  batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(advantages, returns, kl) float32[B,T] for one packed batch scored by the critic."""
+        mask = target_mask(batch.loss_mask, batch.segment_ids)
+        kl = jnp.zeros_like(token_rewards)
+        if self.kl_in_reward:
+            kl = self._reward_kl(batch)
+            token_rewards = token_rewards - self.algorithm.kl.coef * kl
+        advantage = self.algorithm.advantage
+        adv, returns = gae(token_rewards, values, mask, batch.segment_ids,
+                           gamma=advantage.gamma, lam=advantage.lam)
+        return adv, returns, kl
+
     # ---- host side -----------------------------------------------------------------------------
 
+    @property
+    def uses_gae(self) -> bool:
+        return self.critic is not None
+
     def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
-        return list(pack_units(trajectory_units(trajectories), self.cfg.packing))
+        units = trajectory_units(trajectories, per_token=self.uses_gae)
+        return list(pack_units(units, self.cfg.packing))
+
+    def sequence_kl(self, trajectories: Sequence[Trajectory]) -> np.ndarray:
+        """float32[E]: each episode's summed per-token KL(behaviour || reference) on its sampled
+        tokens, the episode-level KL penalty of `kl.mode="reward"` for group estimators."""
+        if not self.needs_reference:
+            raise ValueError(f"{self.algorithm.name} has no KL term (kl.coef=0); nothing to sum")
+        units = [(TokenSequence(tokens=t.tokens, loss_mask=t.loss_mask,
+                                behavior_logprobs=t.behavior_logprobs,
+                                origin=f"episode {t.episode_id}"),) for t in trajectories]
+        sums = []
+        with perf.span(perf.TRAIN_DATA_WAIT, stage="reference_kl"):
+            for packed in pack_units(units, self.cfg.packing):
+                batch = jax.tree.map(jnp.asarray, packed.batch)
+                ref = self._logprobs(self._reference_params, self.state.frozen, batch)
+                kl = self._reward_kl(dataclasses.replace(batch, ref_logprobs=ref))
+                sums += [float(x.sum()) for x in packed.gather(np.asarray(kl))]
+        return np.asarray(sums, np.float32)
+
+    def _gae_advantages(self, trajectories: Sequence[Trajectory], packed: list[PackedBatch],
+                        batches: list[TrainBatch]) -> tuple[list[TrainBatch], list[ValueBatch],
+                                                            dict[str, float]]:
+        """GAE on every packed batch, whitened over the whole step; the critic's targets."""
+        assert self.critic is not None
+        episodes = iter(trajectories)
+        raw = []
+        for p, batch in zip(packed, batches, strict=True):
+            rewards = np.zeros(batch.shape, np.float32)
+            for place in p.placements:
+                t = next(episodes)
+                sampled = np.flatnonzero(t.loss_mask[:place.length])
+                if sampled.size:  # the episode's reward sits on its last sampled token
+                    rewards[place.row, place.start + sampled[-1]] = np.float32(t.reward)
+            values = self.critic.values(batch)
+            adv, returns, kl = self._gae(values, jnp.asarray(rewards), batch)
+            raw.append((batch, values, np.asarray(adv), returns, np.asarray(kl)))
+        masks = [np.asarray(target_mask(b.loss_mask, b.segment_ids)) for b, *_ in raw]
+        flat = np.concatenate([a[m] for (_, _, a, _, _), m in zip(raw, masks, strict=True)])
+        mean, std = (flat.mean(), flat.std()) if flat.size else (0.0, 1.0)
+        whiten = self.algorithm.advantage.whiten
+        out_batches, value_batches = [], []
+        for (batch, values, adv, returns, _), mask in zip(raw, masks, strict=True):
+            if whiten:
+                adv = np.where(mask, (adv - mean) / np.sqrt(std**2 + 1e-8), 0.0)
+            out_batches.append(dataclasses.replace(batch, advantages=jnp.asarray(adv,
+                                                                                jnp.float32)))
+            value_batches.append(ValueBatch(batch=batch, old_values=values, returns=returns))
+        kl_tokens = np.concatenate([k[m] for (*_, k), m in zip(raw, masks, strict=True)])
+        stats = {"advantage_mean_raw": float(mean), "advantage_std_raw": float(std),
+                 "reward_kl": float(kl_tokens.mean()) if kl_tokens.size else 0.0}
+        return out_batches, value_batches, stats
 
     def _with_logprobs(self, packed: PackedBatch) -> TrainBatch:
         batch = jax.tree.map(jnp.asarray, packed.batch)
@@ -156,17 +252,26 @@ class PolicyTrainer:
         packed = self.pack(trajectories)
         with perf.span(perf.TRAIN_DATA_WAIT, stage="logprobs"):
             batches = [self._with_logprobs(p) for p in packed]
+        value_batches: list[ValueBatch] = []
+        extra: dict[str, float] = {}
+        if self.critic is not None:
+            with perf.span(perf.TRAIN_DATA_WAIT, stage="gae"):
+                batches, value_batches, extra = self._gae_advantages(trajectories, packed,
+                                                                     batches)
         collected: list[dict[str, jax.Array]] = []
         for _ in range(self.cfg.inner_epochs):
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 with perf.span(perf.TRAIN_STEP, step=self.steps_taken):
                     with perf.device_busy(perf.TRAINER):
                         self.state, metrics = self._step(self.state, batch)
                         jax.block_until_ready(metrics)
+                if self.critic is not None:
+                    metrics = {**metrics, **self.critic.fit(value_batches[index])}
                 self.steps_taken += 1
                 collected.append(metrics)
         perf.count(perf.TRAIN_TOKENS, int(sum(p.stats.real_tokens for p in packed)))
         out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+        out.update(extra)
         out["optimizer_steps"] = float(len(collected))
         out["packed_rows"] = float(sum(p.stats.rows_used for p in packed))
         return out

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +56,7 @@ from nonstop.sft.preference import (
     reference_of,
     sft_loss_fn,
 )
+from nonstop.train import distributed
 from nonstop.train.batch import TrainBatch
 from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
 from nonstop.train.metrics import MetricsWriter
@@ -89,7 +89,10 @@ class StepSetup:
     batch_sharding: NamedSharding | None
 
     def put(self, batch: TrainBatch) -> TrainBatch:
-        return batch if self.batch_sharding is None else jax.device_put(batch, self.batch_sharding)
+        """The global batch on the mesh; each process uploads only its own rows of it."""
+        if self.batch_sharding is None:
+            return batch
+        return distributed.global_batch_from_full(batch, self.batch_sharding)
 
 
 def load_tokenizer(cfg: SFTRunConfig, tokenizer: Tokenizer | None = None) -> Tokenizer:
@@ -108,8 +111,11 @@ def compute_dtype(cfg: SFTRunConfig) -> jnp.dtype:
 
 
 def build_mesh(cfg: SFTRunConfig) -> Mesh | None:
-    """The (data, fsdp, tp) mesh over the first devices, or None for a single device."""
+    """The (data, fsdp, tp) mesh over the first devices, or None for a single device; under
+    `jax.distributed` with several processes, the global mesh over all of their devices."""
     n = cfg.mesh.num_devices
+    if jax.process_count() > 1:
+        return distributed.global_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
     if n == 1:
         return None
     if n > len(jax.devices()):
@@ -186,15 +192,7 @@ def make_loss_fn(cfg: SFTRunConfig) -> LossFn:
 
 def _partition_specs(mesh: Mesh) -> Callable[[nnx.State], Any]:
     """Per variable, the PartitionSpec its logical axes map to (replicated without axes)."""
-
-    def spec(var: nnx.Variable) -> nnx.Variable:
-        axes = getattr(var, "logical_axes", None)
-        value = var.get_value()
-        if axes is None:
-            return var.replace(PartitionSpec())
-        return var.replace(DEFAULT_RULES.spec(axes, value.shape, mesh))
-
-    return lambda state: jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return distributed.logical_partition_specs(mesh, DEFAULT_RULES)
 
 
 def setup_step(cfg: SFTRunConfig, state: TrainState, mesh: Mesh | None) -> StepSetup:
@@ -205,7 +203,7 @@ def setup_step(cfg: SFTRunConfig, state: TrainState, mesh: Mesh | None) -> StepS
     if mesh is not None:
         shardings = state_shardings(state, mesh, partition_specs=_partition_specs(mesh))
         batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-        state = jax.device_put(state, shardings)
+        state = distributed.put_global(state, shardings)
         kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
     step = make_train_step(make_loss_fn(cfg), optimizer,
                            learning_rate=build_schedule(cfg.optimizer),
@@ -231,6 +229,9 @@ def reference_cache(cfg: SFTRunConfig, model: nnx.Module, tokenizer: Tokenizer,
         quantization=cfg.quantization, dtype=cfg.dtype, seed=cfg.seed,
         loss_type=cfg.dpo.loss_type,
     )
+    if jax.process_count() > 1:
+        raise ValueError("reference='precomputed' is not supported with several processes yet; "
+                         "set reference=on_the_fly (or dpo.reference_free=true) for multi-host DPO")
     path = os.path.join(cfg.run_dir, ref_cache.CACHE_FILE)
     cached = ref_cache.load_cache(path, fingerprint)
     if cached is not None:
@@ -282,7 +283,8 @@ def train(
     """Run (or resume) training as `cfg` says; `on_step(step)` is called after each step, once
     its checkpoint (if due) has been started."""
     os.makedirs(cfg.run_dir, exist_ok=True)
-    recording = perf.run(cfg.run_dir) if perf.active_run_dir() is None else contextlib.nullcontext()
+    recording = (perf.run(distributed.process_run_dir(cfg.run_dir))
+                 if perf.active_run_dir() is None else contextlib.nullcontext())
     with recording:
         return _train(cfg, load_tokenizer(cfg, tokenizer), on_step)
 
@@ -308,7 +310,7 @@ def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], Non
         state, start = restored.state, restored.step
         if restored.data_state:
             data.set_state(restored.data_state)
-    writer = MetricsWriter(cfg.run_dir, cfg.metrics, total_steps=cfg.steps,
+    writer = MetricsWriter(distributed.process_run_dir(cfg.run_dir), cfg.metrics, total_steps=cfg.steps,
                            resume_step=start if restored is not None else None,
                            run_config=dataclasses.asdict(cfg))
     denominator = "pairs" if cfg.algorithm == "dpo" else "loss_tokens"
@@ -318,8 +320,8 @@ def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], Non
             with perf.span(perf.TRAIN_DATA_WAIT, step=step):
                 packed = next(data, None)
             if packed is None:
-                print(f"nonstop {cfg.algorithm}: the data ran out after step {step - 1}",
-                      file=sys.stderr)
+                distributed.print_main(
+                    f"nonstop {cfg.algorithm}: the data ran out after step {step - 1}")
                 step -= 1
                 break
             with perf.span(perf.TRAIN_STEP, step=step):
@@ -350,6 +352,13 @@ def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], Non
     finally:
         writer.close()
         checkpointer.close()
-    export_dir = export_model(cfg, state, tokenizer) if cfg.export else None
+    export_dir = None
+    if cfg.export:
+        # Gathering the weights to every host is collective; one host writes them.
+        host_state = state if jax.process_count() == 1 else state.replace(
+            params=distributed.fetch(state.params), frozen=distributed.fetch(state.frozen))
+        if distributed.is_main_process():
+            export_dir = export_model(cfg, host_state, tokenizer)
+        distributed.barrier("nonstop.sft.export")
     return RunResult(run_dir=cfg.run_dir, start_step=start, last_step=step, last_metrics=last,
                      export_dir=export_dir, state=state)

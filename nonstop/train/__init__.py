@@ -12,6 +12,7 @@ from nonstop.train.packing import (
     PackingConfig,
     PackingStats,
     PackUnit,
+    Placement,
     TokenSequence,
     pack_units,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "OptimizerConfig",
     "PackUnit",
     "PackedBatch",
+    "Placement",
     "PackingConfig",
     "PackingStats",
     "ProgressBar",

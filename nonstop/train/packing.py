@@ -153,11 +153,30 @@ class PackingStats:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one packed sequence landed: row, segment id (1-based), first column and length."""
+
+    row: int
+    segment: int
+    start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PackedBatch:
-    """A host-side `TrainBatch` of NumPy arrays and its packing stats."""
+    """A host-side `TrainBatch` of NumPy arrays, its packing stats, and where each sequence went.
+
+    `placements` lists the batch's sequences in the order they were added to the packer, so the
+    k-th sequence given is `placements[k]` (per-sequence values can be read back out of rows).
+    """
 
     batch: TrainBatch
     stats: PackingStats
+    placements: tuple[Placement, ...] = ()
+
+    def gather(self, values: np.ndarray) -> list[np.ndarray]:
+        """Per-sequence slices of a [B,T] array, in the order the sequences were added."""
+        return [np.asarray(values[p.row, p.start:p.start + p.length]) for p in self.placements]
 
 
 def _water_fill(lengths: list[int], budget: int) -> int:
@@ -179,6 +198,7 @@ class BatchPacker:
         self.config = config
         self._rows: list[list[PackUnit]] = []
         self._row_lengths: list[int] = []
+        self._added: list[tuple[int, int]] = []  # (row, index in row) of each unit, in order
         self._unit_size: int | None = None
         self._truncated_units = 0
         self._truncated_tokens = 0
@@ -199,6 +219,7 @@ class BatchPacker:
             self._rows.append([])
             self._row_lengths.append(0)
             row = len(self._rows) - 1
+        self._added.append((row, len(self._rows[row])))
         self._rows[row].append(unit)
         self._row_lengths[row] += length
         # Counted after any `finish`, so a truncation belongs to the batch that holds the unit.
@@ -211,7 +232,7 @@ class BatchPacker:
         if not self._rows:
             return None
         packed = self._build()
-        self._rows, self._row_lengths = [], []
+        self._rows, self._row_lengths, self._added = [], [], []
         self._truncated_units = self._truncated_tokens = 0
         return packed
 
@@ -282,6 +303,17 @@ class BatchPacker:
                     f"{missing}: has no {name} while other sequences in its batch do; "
                     "every sequence of a stream must carry the same per-token arrays"
                 )
+        where: dict[tuple[int, int], list[Placement]] = {}
+        for row_index, row in enumerate(self._rows):
+            start, segment = 0, 0
+            for unit_index, unit in enumerate(row):
+                where[row_index, unit_index] = [
+                    Placement(row=row_index, segment=segment + k + 1,
+                              start=start + sum(len(s) for s in unit[:k]), length=len(seq))
+                    for k, seq in enumerate(unit)
+                ]
+                start += sum(len(seq) for seq in unit)
+                segment += len(unit)
         for row_index, row in enumerate(self._rows):
             start, segment = 0, 0
             for seq in (seq for unit in row for seq in unit):
@@ -306,7 +338,8 @@ class BatchPacker:
             truncated_units=self._truncated_units,
             truncated_tokens=self._truncated_tokens,
         )
-        return PackedBatch(batch=TrainBatch(**arrays), stats=stats)
+        placements = tuple(p for key in self._added for p in where[key])
+        return PackedBatch(batch=TrainBatch(**arrays), stats=stats, placements=placements)
 
 
 def pack_units(units: Iterable[PackUnit], config: PackingConfig) -> Iterator[PackedBatch]:

@@ -46,6 +46,13 @@ def test_first_fit_layout_and_stats():
         units=5, sequences=5, rows_used=2, real_tokens=23, padded_tokens=25
     )
     assert packed.stats.fill_ratio == pytest.approx(23 / 48)
+    # Placements, in the order the units were added: (row, segment, start, length).
+    assert [(p.row, p.segment, p.start, p.length) for p in packed.placements] == [
+        (0, 1, 0, 5), (0, 2, 5, 3), (0, 3, 8, 7), (1, 1, 0, 2), (1, 2, 2, 6)
+    ]
+    assert [s.tolist() for s in packed.gather(batch.tokens)] == [
+        list(range(10 * i, 10 * i + n)) for i, n in enumerate([5, 3, 7, 2, 6])
+    ]
 
 
 def test_batch_emitted_when_full_and_smallest_bucket_chosen():
@@ -126,6 +133,10 @@ def test_pairs_stay_adjacent_and_truncate_longest_first():
     assert seg[0].tolist() == [1] * 8 + [2] * 8
     assert seg[1].tolist() == [1] * 3 + [2] * 4 + [3] * 2 + [4] * 3 + [0] * 4
     assert packed.stats.truncated_units == 1 and packed.stats.truncated_tokens == 5
+    # Pairs are placed as two consecutive sequences; the truncated pair with its cut lengths.
+    assert [(p.row, p.segment, p.start, p.length) for p in packed.placements] == [
+        (0, 1, 0, 8), (0, 2, 8, 8), (1, 1, 0, 3), (1, 2, 3, 4), (1, 3, 7, 2), (1, 4, 9, 3)
+    ]
     # Losses read chosen from odd and rejected from even segments: sum token ids as "logprobs".
     batch = packed.batch
     values = jnp.asarray(batch.tokens, jnp.float32)

@@ -1,0 +1,165 @@
+"""Worker of tests/train/test_multiprocess.py: SFT and GRPO steps on a global mesh of 4 CPU devices.
+
+    python -m tests.train.multiprocess_worker OUT --devices 4                   # one process
+    python -m tests.train.multiprocess_worker OUT --devices 2 --process-id I \\
+        --num-processes 2 --port PORT                                          # one of two
+
+Both layouts take the same steps on the same global batches, so their parameters must agree:
+- SFT: `nonstop.sft.trainer.train` for 2 steps (checkpointing every step), then again to step 4,
+  which restores the step-2 checkpoint collectively and resumes the data iterator; the final
+  parameters and the export are written by process 0.
+- GRPO: the loss `PolicyTrainer` optimises, stepped on the global mesh with fixed trajectories.
+  The global batch is two shards of trajectories, each packed into 2 rows; with two processes
+  each packs and uploads only its own shard, with one process the shards are concatenated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARDS = 2  # trajectory shards of the GRPO global batch (one per process in the 2-process run)
+GRPO_STEPS = int(os.environ.get("STEPS","3"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    # Before jax is imported: the device count is read once, when the CPU backend starts.
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    from nonstop.train import distributed
+
+    cfg = None
+    if args.num_processes > 1:
+        cfg = distributed.DistributedConfig(
+            coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+            process_id=args.process_id, initialization_timeout_s=60)
+    distributed.initialize(cfg)
+    run_grpo(args.out)
+    distributed.barrier("worker done")
+
+
+def save_tree(path: str, tree: object) -> None:
+    """Every process gathers (a collective); process 0 writes {keystr: array}."""
+    import jax
+    import numpy as np
+
+    from nonstop.train import distributed
+
+    host = distributed.fetch(tree)
+    if distributed.is_main_process():
+        flat = jax.tree_util.tree_flatten_with_path(host)[0]
+        np.savez(path, **{jax.tree_util.keystr(p): np.asarray(x) for p, x in flat})
+
+
+def run_sft(out: str) -> None:
+    from nonstop.cli.sft import load_run_config
+    from nonstop.recipes.sft_data import prepare_run
+    from nonstop.sft.trainer import train
+    from nonstop.train import distributed
+
+    config = os.path.join(REPO_ROOT, "nonstop", "recipes", "configs", "sft_tiny.yaml")
+    common = [f"run_dir={os.path.join(out, 'sft')}", "model.hidden_size=44",
+              "model.intermediate_size=52", "model.num_heads=4", "model.num_kv_heads=2",
+              "model.head_dim=8", "builtin_data.num_train=64", "builtin_data.num_eval=8",
+              "metrics.progress_bar=false", "metrics.tensorboard=false", "mesh.fsdp=4",
+              "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+              "checkpoint.save_every=1", "checkpoint.async_save=false"]
+    first, tokenizer = prepare_run(load_run_config("sft", config, [*common, "steps=2",
+                                                                   "export=false"]))
+    train(first, tokenizer=tokenizer)
+    resumed, tokenizer = prepare_run(load_run_config("sft", config, [*common, "steps=4"]))
+    result = train(resumed, tokenizer=tokenizer)
+    save_tree(os.path.join(out, "sft_params.npz"), result.state.params)
+    if distributed.is_main_process():
+        with open(os.path.join(out, "sft.json"), "w") as f:
+            json.dump({"start_step": result.start_step, "last_step": result.last_step,
+                       "export_dir": result.export_dir}, f)
+
+
+def shard_trajectories(shard: int, step: int) -> list:
+    """Four fixed episodes (two groups of two) for one shard of one step."""
+    import numpy as np
+
+    from nonstop.rl.trajectory import Trajectory
+
+    rng = np.random.default_rng(1000 * step + shard)
+    episodes = []
+    for i in range(4):
+        prompt = rng.integers(1, 31, size=3).tolist()
+        completion = rng.integers(1, 31, size=3).tolist()
+        t = Trajectory.from_completion(prompt, completion, (-rng.uniform(0.5, 3.0, 3)).tolist(),
+                                       [0] * 3, group_id=10 * shard + i // 2, episode_id=i)
+        t.advantage = float(rng.normal())
+        episodes.append(t)
+    return episodes
+
+
+def run_grpo(out: str) -> None:
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nonstop.models import ModelConfig, init_decoder
+    from nonstop.rl import RLAlgorithmConfig
+    from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
+    from nonstop.train import (
+        OptimizerConfig,
+        PackingConfig,
+        build_optimizer,
+        build_schedule,
+        distributed,
+        make_train_step,
+        state_shardings,
+    )
+
+    cfg = PolicyTrainerConfig(
+        algorithm=RLAlgorithmConfig.grpo(),
+        optimizer=OptimizerConfig(name=os.environ.get("OPT","adamw"), learning_rate=3e-3, schedule="constant", weight_decay=0.0, max_grad_norm=None),
+        packing=PackingConfig(buckets=(16,), rows_per_batch=2, max_segments_per_row=4))
+    trainer = PolicyTrainer(init_decoder(ModelConfig.tiny("qwen3", vocab_size=31), seed=0), cfg)
+    mesh = distributed.global_mesh(fsdp=4)
+    shardings = state_shardings(trainer.state, mesh,
+                                partition_specs=distributed.logical_partition_specs(mesh))
+    state = distributed.put_global(trainer.state, shardings)
+    reference = distributed.put_global(trainer._reference_params, shardings.params)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    step = make_train_step(trainer._loss, build_optimizer(cfg.optimizer),
+                           learning_rate=build_schedule(cfg.optimizer),
+                           state_shardings=shardings, batch_sharding=batch_sharding)
+    ref_logprobs = jax.jit(trainer._logprob_pass, out_shardings=batch_sharding)
+    save_tree(os.path.join(out, "grpo_initial.npz"), state.params)
+
+    # This process's shards: its own with several processes, all of them with one.
+    mine = ([jax.process_index()] if jax.process_count() > 1 else list(range(SHARDS)))
+    global_rows = SHARDS * cfg.packing.rows_per_batch
+    losses = []
+    for k in range(GRPO_STEPS):
+        packed = [trainer.pack(shard_trajectories(s, k)) for s in mine]
+        if any(len(p) != 1 for p in packed):
+            raise AssertionError("each shard must pack into exactly one 2-row batch")
+        local = jax.tree.map(lambda *rows: np.concatenate(rows), *[p[0].batch for p in packed])
+        batch = distributed.global_batch(local, batch_sharding, global_rows)
+        batch = dataclasses.replace(
+            batch, ref_logprobs=ref_logprobs(reference, state.frozen, batch))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    save_tree(os.path.join(out, "grpo_params.npz"), state.params)
+    if distributed.is_main_process():
+        with open(os.path.join(out, "grpo.json"), "w") as f:
+            json.dump({"losses": losses}, f)
+
+
+if __name__ == "__main__":
+    main()
