@@ -95,8 +95,14 @@ class Critic:
                            max_len_norm=self.max_len_norm)
         error = jnp.where(mask, values - vb.returns, 0.0)
         count = jnp.maximum(jnp.sum(mask), 1)
-        metrics = {"value_mse": jnp.sum(jnp.square(error)) / count,
-                   "value_mean": jnp.sum(jnp.where(mask, values, 0.0)) / count}
+        mse = jnp.sum(jnp.square(error)) / count
+        mean_return = jnp.sum(jnp.where(mask, vb.returns, 0.0)) / count
+        return_var = jnp.sum(jnp.where(mask, jnp.square(vb.returns - mean_return), 0.0)) / count
+        metrics = {"value_mse": mse,
+                   "value_mean": jnp.sum(jnp.where(mask, values, 0.0)) / count,
+                   # 1 - MSE / Var(returns): 0 for a critic that predicts the mean return, 1 for
+                   # a perfect one, negative for one worse than the mean (e.g. the initial V=0).
+                   "value_explained_var": 1.0 - mse / jnp.maximum(return_var, 1e-8)}
         return self.loss.coef * terms.numerator, terms.denominator, metrics
 
     def _value_pass(self, params: nnx.State, frozen: nnx.State, batch: TrainBatch) -> jax.Array:
