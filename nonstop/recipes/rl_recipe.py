@@ -101,7 +101,18 @@ class RLRunConfig:
     checkpoint: CheckpointSettings = CheckpointSettings(save_every=20)
 
     def algorithm_config(self) -> RLAlgorithmConfig:
-        algorithm = getattr(RLAlgorithmConfig, self.algorithm)()
+        """The named preset, with its length constants set from this run's generation budget:
+        Dr.GRPO's constant normaliser and DAPO's overlong limit are `rollout.max_new_tokens`
+        (the papers' values assume budgets of thousands of tokens), DAPO's soft-punishment
+        buffer is a fifth of it (4096 of 20480 in the paper)."""
+        budget = self.rollout.max_new_tokens
+        if self.algorithm == "dr_grpo":
+            algorithm = RLAlgorithmConfig.dr_grpo(max_len_norm=budget)
+        elif self.algorithm == "dapo":
+            algorithm = RLAlgorithmConfig.dapo(max_response_tokens=budget,
+                                               buffer_tokens=max(1, budget // 5))
+        else:
+            algorithm = getattr(RLAlgorithmConfig, self.algorithm)()
         if self.kl_coef is not None:
             kl = dataclasses.replace(algorithm.policy_loss.kl, coef=self.kl_coef)
             algorithm = dataclasses.replace(

@@ -73,3 +73,11 @@ def test_resumed_run_continues_the_same_reward_curve(tmp_path, config, extra):
                                               "checkpoint.save_every=2"])
     run_rl(resumed, progress=False)
     assert _rewards(tmp_path / "b") == full
+
+
+def test_length_constants_follow_the_generation_budget():
+    dr = load_config(RLRunConfig, None, ["algorithm=dr_grpo", "rollout.max_new_tokens=6"])
+    assert dr.algorithm_config().policy_loss.max_len_norm == 6
+    dapo = load_config(RLRunConfig, None, ["algorithm=dapo", "rollout.max_new_tokens=40"])
+    overlong = dapo.algorithm_config().overlong
+    assert (overlong.max_response_tokens, overlong.buffer_tokens) == (40, 8)
