@@ -27,7 +27,7 @@ def _kind(path: Path):
     name = path.name
     if name.startswith("agentic"):
         return AgenticRunConfig
-    if any(name.startswith(p) for p in ("grpo", "dr_grpo", "dapo", "gspo", "rloo")):
+    if any(name.startswith(p) for p in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "ppo")):
         return RLRunConfig
     return SFTRunConfig
 
