@@ -24,9 +24,11 @@ the same factory: the chat template can render tool schemas synchronously.
 
 Failures: an exception raised by the environment inside the actor is re-raised here as itself (not
 Ray's wrapper), so the episode records the same error as in-process. An actor that dies (killed,
-out of memory, node lost) raises `EnvironmentActorDied` in each episode it hosted: the Agent ends
-those episodes with status "error" (counted in `RolloutOrchestrator.status`, the group is dropped)
-and the run continues: the pool replaces the dead actor, and later episodes go to the new one.
+out of memory, node lost) raises `EnvironmentActorDied` in each episode that had state on it: the
+Agent ends those episodes with status "error" (counted in `RolloutOrchestrator.status`, the group
+is dropped) and the run continues: the first episode to find the actor dead has the pool replace
+it, and later episodes go to the new one. A `reset` that finds its actor dead has lost nothing, so
+it starts over once on the replacement instead of failing.
 
 Ray is imported only when a pool is built, so nonstop works without it
 (`pip install nonstop[ray]` adds it).
@@ -43,6 +45,7 @@ from typing import Any
 from nonstop import perf
 from nonstop.agentic.config import AgenticConfigError
 from nonstop.agentic.environment import AgentAction, Environment, Observation, StepResult, Task
+from nonstop.models.chat import Message
 
 EnvironmentFactory = Callable[[], Environment]
 ACTOR_DEATHS = "rollout/env_actor_deaths"  # counter: environment actors found dead and replaced
@@ -98,7 +101,7 @@ def init_ray(config: RayEnvConfig, **local_options: Any) -> bool:
     if ray.is_initialized():
         return False
     if config.address is not None:
-        ray.init(address=config.address, include_dashboard=False)
+        ray.init(address=config.address)  # the cluster's own settings (CPUs, dashboard) apply
     else:
         ray.init(include_dashboard=False, **local_options)
     return True
@@ -208,8 +211,8 @@ class RayEnvironmentPool:
             # Not awaited (`close` is synchronous): kept so `stats` can wait for them first.
             self._closing.append(handle.close.remote(key))
             if len(self._closing) > 1024:
-                done, self._closing = self.ray.wait(self._closing, num_returns=len(self._closing),
-                                                    timeout=0)
+                _, self._closing = self.ray.wait(self._closing, num_returns=len(self._closing),
+                                                 timeout=0)
 
     def _actor_died(self, index: int, handle: Any) -> None:
         """Replace the actor at `index` once, however many of its episodes report its death."""
@@ -255,7 +258,7 @@ class RayEnvironment(Environment):
     def sample_task(self, seed: int) -> Task:
         return self.pool.template.sample_task(seed)
 
-    def demonstration(self, task: Task) -> Any:
+    def demonstration(self, task: Task) -> list[Message]:
         return self.pool.template.demonstration(task)
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -279,9 +282,16 @@ class RayEnvironment(Environment):
             raise cause from None  # the environment's own error, as in-process
 
     async def reset(self, task: Task | None = None, *, seed: int = 0) -> Observation:
-        if self._placement is None:
-            self._placement = self.pool._place()
-        return await self._call("reset", task, seed)
+        self.close()  # a reset starts a new episode: leave the previous one's actor state
+        self._placement, self._dead = self.pool._place(), False
+        try:
+            return await self._call("reset", task, seed)
+        except EnvironmentActorDied:
+            # Nothing was lost yet (the episode had no state), so start over once on the
+            # actor that replaced the dead one, rather than failing the episode.
+            self.close()
+            self._placement, self._dead = self.pool._place(), False
+            return await self._call("reset", task, seed)
 
     async def step(self, action: AgentAction) -> StepResult:
         if self._placement is None:

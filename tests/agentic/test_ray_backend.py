@@ -17,7 +17,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from nonstop.agentic.config import AgenticConfigError, OrchestratorConfig  # noqa: E402
+from nonstop.agentic.config import (  # noqa: E402
+    AgenticConfigError,
+    LearnerConfig,
+    OrchestratorConfig,
+)
 from nonstop.agentic.environment import AgentAction, StepResult, Task  # noqa: E402
 from nonstop.agentic.envs import CalculatorEnv, PythonEnv  # noqa: E402
 from nonstop.agentic.envs.calculator import CalculatorConfig  # noqa: E402
@@ -29,6 +33,7 @@ from nonstop.agentic.ray_backend import (  # noqa: E402
     import_ray,
     init_ray,
 )
+from nonstop.agentic.streaming import StreamingLearner  # noqa: E402
 from nonstop.engine import Engine  # noqa: E402
 from nonstop.models.chat import ToolCall  # noqa: E402
 from nonstop.models.config import ConfigError  # noqa: E402
@@ -41,6 +46,7 @@ from nonstop.recipes.agentic_recipe import (  # noqa: E402
 )
 from nonstop.recipes.config_io import load_config  # noqa: E402
 from nonstop.recipes.rl_recipe import build_model, build_tokenizer  # noqa: E402
+from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig  # noqa: E402
 
 TINY = Path(__file__).parents[2] / "nonstop/recipes/configs/agentic_calculator_tiny.yaml"
 SMALL_ACTORS = dict(num_cpus_per_actor=0.25)  # 2 shared CPUs: actors mostly wait
@@ -199,12 +205,48 @@ def test_a_killed_actor_fails_its_episodes_and_the_run_goes_on(local_ray, recipe
         assert orchestrator.status == {"error": 4, "done": 4}
         assert pool.replaced == 1 and pool.actors[0] is not first_actor
 
-        # The same orchestrator goes on: new episodes land on the replacement and complete.
+        # The same orchestrator goes on: new episodes land on the replacement and complete,
+        # even those placed on actor 1, killed while idle: a reset that finds its actor dead
+        # has lost nothing yet, so it starts over on that actor's replacement.
+        ray.kill(pool.actors[1])
         second = asyncio.run(orchestrator.run_groups([2, 3]))
         assert all(t.info["status"] == "done" for g in second.values() for t in g)
         assert orchestrator.status == {"error": 4, "done": 12}
+        assert pool.replaced == 2
         stats = asyncio.run(pool.stats())
-        assert stats[0]["calls"] >= 4 * 3 and [s["episodes"] for s in stats] == [0, 0]
+        assert [s["episodes"] for s in stats] == [0, 0]
+        assert all(s["calls"] >= 4 * 3 for s in stats)  # reset, step, final reward each
+
+
+def test_a_killed_actor_mid_training_drops_its_groups_and_training_goes_on(local_ray, recipe):
+    cfg, tokenizer, engine = recipe
+    trainer = PolicyTrainer(build_model(cfg.model, tokenizer, seed=cfg.seed), PolicyTrainerConfig(
+        algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
+        seed=cfg.seed))
+    learner_cfg = LearnerConfig(groups_per_step=2, max_staleness=1, orchestrator=OrchestratorConfig(
+        group_size=2, max_concurrency=8, seed=cfg.seed, agent=agent_config(cfg, tokenizer, 1.0)))
+    factory = functools.partial(SlowCalculatorEnv, 1.0)
+    with RayEnvironmentPool(factory, RayEnvConfig(num_actors=2, max_concurrency=8,
+                                                  **SMALL_ACTORS)) as pool:
+        learner = StreamingLearner(trainer, engine,
+                                   interaction_factory(cfg, tokenizer, cfg.seed, pool.environment),
+                                   learner_cfg)
+
+        async def train_and_kill():
+            run = asyncio.create_task(learner.run(2))
+            while (await pool.stats())[0]["active"] < 1:  # an episode is inside its 1 s step
+                assert not run.done(), "training ended before the actor was killed"
+                await asyncio.sleep(0.02)
+            ray.kill(pool.actors[0])
+            return await run
+
+        records = asyncio.run(train_and_kill())
+    assert len(records) == 2 and pool.replaced == 1
+    failed = learner.orchestrator.status["error"]
+    assert failed >= 1 and learner.queue.dropped["episode_failed"] >= 1
+    # Every trained group is whole: 2 steps x 2 groups x 2 episodes, none of them failed.
+    assert sum(len(r.staleness) for r in records) == 8
+    assert learner.orchestrator.status["done"] >= 8
 
 
 def test_the_recipe_runs_with_environments_on_ray(local_ray, tmp_path):
