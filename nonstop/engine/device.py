@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax import Array
 
+from nonstop.engine.placement import cache_sharding, replicated, weight_shardings
 from nonstop.engine.sampling import sample
 from nonstop.models import Decoder, KVCache
 from nonstop.models.multimodal import Gemma3VLM
@@ -62,21 +63,29 @@ def _sample(logits: Array, sampling: SamplingArrays) -> StepOutput:
 class DeviceSteps:
     """The jitted prefill and decode of one model, with a trace counter per function."""
 
-    def __init__(self, model: Decoder, *, num_slots: int, max_len: int,
-                 cache_dtype: jnp.dtype | None = None) -> None:
+    def __init__(self, model: Decoder | Gemma3VLM, *, num_slots: int, max_len: int,
+                 cache_dtype: jnp.dtype | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         self.graphdef, state = nnx.split(model)
         # Commit every input to its device: jit keys its cache on committedness, so an
         # uncommitted first argument (fresh `jnp.zeros`) would compile a second time later.
-        self.shardings = jax.tree.map(lambda x: x.sharding, state)
+        # With a `mesh` (disaggregated mode, `placement.py`) weights and cache live on the
+        # engine's own devices, wherever the model was built; updates are resharded onto them.
+        self.shardings = (jax.tree.map(lambda x: x.sharding, state) if mesh is None
+                          else weight_shardings(state, mesh))
         self.initial_state = self.place(state, copy=False)
-        self.cache_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.cache_sharding = (
+            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+            else cache_sharding(model.cfg, num_slots=num_slots, max_len=max_len, mesh=mesh))
         self.cfg = model.cfg
         self.num_slots = num_slots
         self.max_len = max_len
         self.cache_dtype = cache_dtype or model.dtype
         self.traces: collections.Counter[str] = collections.Counter()
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        # On a mesh, pin the cache's layout so a step never hands the next one a new sharding.
+        pinned = {} if mesh is None else {"out_shardings": (self.cache_sharding, replicated(mesh))}
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), **pinned)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), **pinned)
         # Vision-language models: images are encoded once per request, and a prefill chunk that
         # holds image tokens takes their soft tokens row by row (see `prefill_images`).
         self.image_token_id = (model.vlm_cfg.image_token_id if isinstance(model, Gemma3VLM)

@@ -31,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from nonstop.engine.config import EngineConfig, EngineConfigError
 from nonstop.engine.device import SAMPLER_TRACES, DeviceSteps
@@ -38,7 +39,7 @@ from nonstop.engine.images import check_image_prompt
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
 from nonstop.engine.scheduler import Detokenizer, Request, Resolve, Scheduler, Session
 from nonstop.engine.types import Completion, EngineError, RequestError
-from nonstop.models import Decoder
+from nonstop.models import Decoder, Gemma3VLM
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,11 +64,13 @@ class Engine:
 
     Configure with an `EngineConfig`, or with its fields as keywords (`max_slots=...`), which
     override the config's. `tokenizer` (anything with `decode(ids) -> str`) enables stop strings.
+    `mesh` (disaggregated mode, see `placement.py`): the engine's own devices, where its weights
+    and KV cache live and onto which `update_weights` reshards; None keeps the model's placement.
     """
 
-    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
+    def __init__(self, model: Decoder | Gemma3VLM, config: EngineConfig | None = None, *,
                  tokenizer: Detokenizer | None = None, policy_version: int = 0,
-                 **overrides: Any) -> None:
+                 mesh: Mesh | None = None, **overrides: Any) -> None:
         config = config or EngineConfig()
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(overrides) - fields)
@@ -79,7 +82,7 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = None if self.config.cache_dtype is None else jnp.dtype(self.config.cache_dtype)
         self._device = DeviceSteps(model, num_slots=self.config.max_slots,
-                                   max_len=self.config.max_len, cache_dtype=dtype)
+                                   max_len=self.config.max_len, cache_dtype=dtype, mesh=mesh)
         self._initial_version = policy_version
         self._scheduler: Scheduler | None = None
         self._seeds = random.Random(self.config.seed)

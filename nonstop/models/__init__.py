@@ -1,4 +1,5 @@
-"""Models: configs and presets, the decoder, Hugging Face checkpoints, tokenizers, sharding."""
+"""Models: configs and presets, the decoder, the Gemma 3 vision-language model, Hugging Face
+checkpoints, tokenizers, image processing, sharding."""
 
 from nonstop.models.chat import ChatTemplate, Message, ToolCall
 from nonstop.models.chat_templates import CHAT_FORMATS, ChatFormat
@@ -6,6 +7,8 @@ from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.config import ConfigError, ModelConfig, RopeConfig
 from nonstop.models.conversation import Conversation
 from nonstop.models.decoder import Decoder, KVCache, abstract_decoder, init_decoder
+from nonstop.models.image_processor import ImageError, ImageProcessor
+from nonstop.models.multimodal import Gemma3VLM, VLMConfig, init_vlm
 from nonstop.models.safetensors_io import CheckpointError
 from nonstop.models.sharding import (
     DEFAULT_RULES,
@@ -16,6 +19,7 @@ from nonstop.models.sharding import (
     shard_model,
 )
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.vision import VisionConfig, apply_vision_lora, merge_vision_lora
 
 __all__ = [
     "CHAT_FORMATS",
@@ -30,14 +34,22 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Decoder",
+    "Gemma3VLM",
+    "ImageError",
+    "ImageProcessor",
     "KVCache",
     "ModelConfig",
     "RopeConfig",
     "ShardingRules",
+    "VLMConfig",
+    "VisionConfig",
     "abstract_decoder",
+    "apply_vision_lora",
     "init_decoder",
+    "init_vlm",
     "load_pretrained",
     "make_mesh",
+    "merge_vision_lora",
     "param_shardings",
     "save_pretrained",
     "shard_model",

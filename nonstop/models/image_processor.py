@@ -8,7 +8,7 @@ config that enables them is refused.
 
 Bad input is an `ImageError` that names the image (and, from the data pipeline, the example): a
 missing or unreadable file, or an image mode we do not convert (we take RGB, RGBA, L, LA, P and
-CMYK; RGBA/LA are converted by dropping alpha, as transformers' `convert_rgb` does via PIL).
+CMYK; transparency is composited onto white, as transformers' `convert_to_rgb` does).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class ImageProcessor:
         if image.mode not in SUPPORTED_MODES:
             raise ImageError(f"{label}image mode {image.mode!r} is not supported; convert the "
                              f"image to one of {SUPPORTED_MODES} (e.g. RGB)")
-        rgb = image.convert("RGB")
+        rgb = to_rgb(image)
         if self.do_resize and rgb.size != (self.width, self.height):
             rgb = rgb.resize((self.width, self.height), resample=Image.Resampling(self.resample))
         x = np.asarray(rgb, np.float32)
@@ -103,6 +103,15 @@ class ImageProcessor:
         """Several images -> float32[I, H, W, 3]."""
         return np.stack([self(im, where=where) for im in images]) if images else np.zeros(
             (0, self.height, self.width, 3), np.float32)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited onto white (as transformers' `convert_to_rgb`)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def load_image(path: str | Path, *, where: str = "") -> Image.Image:
@@ -120,4 +129,4 @@ def load_image(path: str | Path, *, where: str = "") -> Image.Image:
                          f"{e}") from None
 
 
-__all__ = ["SUPPORTED_MODES", "ImageError", "ImageProcessor", "load_image"]
+__all__ = ["SUPPORTED_MODES", "ImageError", "ImageProcessor", "load_image", "to_rgb"]

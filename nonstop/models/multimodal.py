@@ -32,7 +32,7 @@ from jax import Array
 
 from nonstop.models.config import ConfigError, ModelConfig
 from nonstop.models.decoder import Decoder, KVCache
-from nonstop.models.hf_config import config_from_hf
+from nonstop.models.hf_config import _METADATA, config_from_hf
 from nonstop.models.vision import MultiModalProjector, VisionConfig, VisionEncoder
 
 # Top-level Gemma3Config keys that carry no architecture we would drop.
@@ -41,6 +41,15 @@ _VLM_METADATA = {
     "image_token_index", "boi_token_index", "eoi_token_index", "initializer_range",
     "tie_word_embeddings", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
     "eos_token_id", "bos_token_id", "pad_token_id", "use_cache",
+}
+
+# transformers' Gemma3TextConfig defaults: released configs leave these fields out.
+_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "rope_local_base_freq": 10_000.0, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
 }
 
 
@@ -78,10 +87,12 @@ class VLMConfig:
                               f"{config.get('model_type')!r}, vision_config "
                               f"{'present' if 'vision_config' in config else 'missing'})")
         for key in config:
-            if key not in _VLM_METADATA and not key.startswith("_"):
+            if key not in _VLM_METADATA and key not in _METADATA and not key.startswith("_"):
                 raise ConfigError(f"{source}: config field {key!r} = {config[key]!r} is not "
                                   "supported by nonstop's Gemma 3 vision-language model")
-        text_hf = {**config["text_config"], "model_type": "gemma3_text"}
+        text_hf = {**_TEXT_DEFAULTS, **config["text_config"], "model_type": "gemma3_text"}
+        if "rope_theta" not in text_hf and "rope_parameters" not in text_hf:
+            text_hf["rope_theta"] = 1_000_000.0  # Gemma 3's global RoPE base
         if "tie_word_embeddings" in config:
             text_hf["tie_word_embeddings"] = config["tie_word_embeddings"]
         if config.get("eos_token_id") is not None:

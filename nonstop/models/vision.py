@@ -30,6 +30,12 @@ from nonstop.models.lora import LoRAConfig, LoRAWeight, project
 from nonstop.models.quantize import weight_value
 
 VISION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# transformers' SiglipVisionConfig defaults.
+_SIGLIP_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "image_size": 224, "patch_size": 16, "num_channels": 3,
+    "layer_norm_eps": 1e-6,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +79,7 @@ class VisionConfig:
                 raise ConfigError(f"{source}: vision_config field {key!r} = {hf[key]!r}: "
                                   f"{meaning} is not supported (need {expected!r})")
 
+        hf = {**_SIGLIP_DEFAULTS, **hf}  # released configs leave default fields out
         need("model_type", "siglip_vision_model", "a vision tower other than SigLIP")
         need("hidden_act", "gelu_pytorch_tanh", "this activation")
         need("vision_use_head", False, "SigLIP's attention-pooling head")

@@ -83,3 +83,12 @@ def test_placeholder_count_mismatch_is_a_request_error(vlm_engine):
     with pytest.raises(RequestError, match=r"images: .*\[I, 28, 28, 3\]"):
         engine.generate_sync(image_prompt([1], 1, [5]), SamplingParams(max_tokens=1),
                              images=np.zeros((1, 14, 14, 3), np.float32))
+
+
+def test_image_longer_than_largest_chunk_is_a_request_error(tmp_path):
+    build_hf_vlm(tmp_path, seed=6)
+    engine = Engine(load_pretrained(tmp_path), max_slots=1, max_len=MAX_LEN, prefill_chunks=(3,))
+    with pytest.raises(RequestError, match=r"image's 4 tokens exceed the largest prefill chunk"):
+        engine.generate_sync(image_prompt([1], 1, [5]), SamplingParams(max_tokens=1),
+                             images=_images(1, seed=0))
+    engine.stop()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from nonstop.models import load_pretrained, save_pretrained
-from nonstop.models.multimodal import Gemma3VLM, image_lookahead
+from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
+from nonstop.models.multimodal import Gemma3VLM, VLMConfig, image_lookahead
+from nonstop.models.vision import apply_vision_lora, merge_vision_lora
 from nonstop.models.vlm_checkpoint import canonical_name
 from tests.models.vlm_fixtures import build_hf_vlm, hf_vlm_logits, image_prompt
 
@@ -75,8 +79,9 @@ def test_save_round_trip_loads_in_transformers(models, tmp_path):
     np.testing.assert_allclose(hf_vlm_logits(reloaded, tokens, images),
                                hf_vlm_logits(hf, tokens, images), atol=1e-6, rtol=0)
     again = load_pretrained(tmp_path)
-    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(tokens), jnp.asarray(images))[0]),
-                                  np.asarray(ours(jnp.asarray(tokens), images=jnp.asarray(images))[0]))
+    t, im = jnp.asarray(tokens), jnp.asarray(images)
+    np.testing.assert_array_equal(np.asarray(again(t, images=im)[0]),
+                                  np.asarray(ours(t, images=im)[0]))
 
 
 def test_placeholder_count_mismatch_is_an_error(models):
@@ -99,3 +104,56 @@ def test_released_checkpoint_names_are_accepted():
         "language_model.model.layers.3.mlp.up_proj.weight")
     assert canonical_name("multi_modal_projector.mm_soft_emb_norm.weight") == (
         "multi_modal_projector.mm_soft_emb_norm.weight")
+
+
+def test_released_config_fields_default_as_transformers():
+    """A config.json laid out like google/gemma-3-4b-it's (defaults left out) reads the same
+    as the full dict transformers expands it to."""
+    sparse = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False},
+    }
+    ours = VLMConfig.from_hf(sparse)
+    full = transformers.Gemma3Config(**{k: v for k, v in sparse.items()
+                                        if k not in ("architectures", "model_type")}).to_dict()
+    reference = VLMConfig.from_hf(full)
+    assert ours.vision == reference.vision
+    assert ours.text.replace(eos_token_ids=()) == reference.text.replace(eos_token_ids=())
+    assert ours.text.eos_token_ids == (1, 106)
+    assert (ours.text.vocab_size, ours.text.head_dim, ours.text.rope.theta,
+            ours.text.rope.factor) == (262208, 256, 1e6, 8.0)
+    assert ours.vision.patches_per_side == 64 and ours.mm_tokens_per_image == 256
+
+
+def test_lora_on_both_towers_merges_and_exports(models, tmp_path):
+    """Adapters on the language model and the vision tower change the logits; merged and saved,
+    transformers reproduces the adapted model's logits."""
+    hf, _ = models
+    directory = tmp_path / "base"
+    hf.save_pretrained(directory)
+    model = load_pretrained(directory)
+    apply_lora(model, LoRAConfig(rank=3, alpha=6.0))
+    apply_vision_lora(model.vision, LoRAConfig(rank=3, alpha=6.0, targets=("q_proj", "o_proj")))
+    keys = iter(jax.random.split(jax.random.key(7), 64))
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(0.1 * jax.random.normal(next(keys), var.get_value().shape))
+    tokens = np.array([image_prompt([1, 9], 1, [4, 6])], np.int32)
+    images = _images(1, seed=4)
+    t, im = jnp.asarray(tokens), jnp.asarray(images)
+    adapted = np.asarray(model(t, images=im)[0])
+    assert np.abs(adapted - hf_vlm_logits(hf, tokens, images)).max() > 1e-2
+    merge_lora(model)
+    merge_vision_lora(model.vision)
+    save_pretrained(model, tmp_path / "merged")
+    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32).eval()
+    np.testing.assert_allclose(hf_vlm_logits(reloaded, tokens, images), adapted, atol=ATOL_HF,
+                               rtol=0)

@@ -1,0 +1,102 @@
+"""DPO on image + text preference data for Gemma 3 vision-language models.
+
+A record is {"prompt": ..., "chosen": ..., "rejected": ..., "images": [...]} (image markers in
+the prompt as in `vision_data.py`). It becomes one row: prompt + chosen as segment 1, then
+prompt + rejected as segment 2, each segment with its own copy of the images (attention never
+crosses segments), so `preference_pairs` of `nonstop.sft.losses` reads the pair as for text.
+
+`vision_dpo_loss_fn(config)` is the `make_train_step` loss. Its reference policy is the policy
+with every LoRA adapter zeroed (`zeroed_adapters`), or none when `config.reference_free`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nonstop.models.image_processor import ImageError, ImageProcessor
+from nonstop.models.multimodal import VLMConfig
+from nonstop.sft.losses import DPOConfig, dpo_loss, preference_pairs, sequence_logprobs
+from nonstop.sft.preference import zeroed_adapters
+from nonstop.sft.vision_data import (
+    IMAGE_MARKER,
+    TextEncoder,
+    VisionBatch,
+    VisionDataError,
+    VisionExample,
+    encode_with_images,
+)
+from nonstop.train.logprobs import token_logprobs
+from nonstop.train.step import LossFn
+
+
+def read_vision_preference(path: str | Path, tokenizer: TextEncoder, processor: ImageProcessor,
+                           cfg: VLMConfig) -> list[VisionExample]:
+    """Every preference pair of a JSONL file as a two-segment example."""
+    path = Path(path)
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VisionDataError(f"{where}: not valid JSON: {e}") from None
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(record.get(key), str):
+                raise VisionDataError(f"{where}: field {key!r} must be a string; the record has "
+                                      f"fields {sorted(record)}")
+        image_paths = record.get("images", [])
+        prompt, n_markers = encode_with_images(record["prompt"], tokenizer, cfg)
+        if not isinstance(image_paths, list) or n_markers != len(image_paths):
+            raise VisionDataError(f"{where}: the prompt has {n_markers} {IMAGE_MARKER} "
+                                  f"placeholder(s) but 'images' is {image_paths!r}; give one "
+                                  "image path per marker")
+        try:
+            images = processor.batch([path.parent / p for p in image_paths], where=where)
+        except ImageError as e:
+            raise VisionDataError(str(e)) from None
+        tokens, mask, segments = [], [], []
+        for seg, key in ((1, "chosen"), (2, "rejected")):
+            response = tokenizer.encode(record[key])
+            tokens += prompt + response
+            mask += [False] * len(prompt) + [True] * len(response)
+            segments += [seg] * (len(prompt) + len(response))
+        out.append(VisionExample(tokens=np.asarray(tokens, np.int32),
+                                 loss_mask=np.asarray(mask, bool),
+                                 images=np.concatenate([images, images]),
+                                 segment_ids=np.asarray(segments, np.int32)))
+    return out
+
+
+def _pair_logprobs(model: nnx.Module, batch: VisionBatch):
+    logits, _ = model(batch.tokens, batch.positions, batch.segment_ids,
+                      images=jnp.asarray(batch.images))
+    seqs = sequence_logprobs(token_logprobs(logits, batch.tokens), batch.loss_mask,
+                             batch.segment_ids, 2)
+    return preference_pairs(seqs)
+
+
+def vision_dpo_loss_fn(config: DPOConfig) -> LossFn:
+    """Summed DPO pair losses / number of pairs, with DPO metrics as aux."""
+
+    def loss_fn(model: nnx.Module, batch: VisionBatch, rng: jax.Array):
+        del rng
+        policy = _pair_logprobs(model, batch)
+        reference = None
+        if not config.reference_free:
+            reference = jax.tree.map(jax.lax.stop_gradient,
+                                     _pair_logprobs(zeroed_adapters(model), batch))
+        loss, metrics = dpo_loss(policy, reference, config)
+        return loss.total, loss.count, metrics._asdict()
+
+    return loss_fn
+
+
+__all__ = ["read_vision_preference", "vision_dpo_loss_fn"]
