@@ -281,7 +281,11 @@ def train(
     on_step: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Run (or resume) training as `cfg` says; `on_step(step)` is called after each step, once
-    its checkpoint (if due) has been started."""
+    its checkpoint (if due) has been started.
+
+    Under several processes (NONSTOP_COORDINATOR_ADDRESS... or NONSTOP_DISTRIBUTED=auto, see
+    `nonstop.train.distributed`) every process calls `train` with the same config."""
+    distributed.initialize(distributed.DistributedConfig.from_env())
     os.makedirs(cfg.run_dir, exist_ok=True)
     recording = (perf.run(distributed.process_run_dir(cfg.run_dir))
                  if perf.active_run_dir() is None else contextlib.nullcontext())

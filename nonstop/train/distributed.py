@@ -41,6 +41,7 @@ ENV_COORDINATOR = "NONSTOP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "NONSTOP_NUM_PROCESSES"
 ENV_PROCESS_ID = "NONSTOP_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "NONSTOP_LOCAL_DEVICE_IDS"
+ENV_DISTRIBUTED = "NONSTOP_DISTRIBUTED"  # "auto": let JAX detect the cluster
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,10 +73,15 @@ class DistributedConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> DistributedConfig | None:
         """The config in NONSTOP_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID (and
-        optionally NONSTOP_LOCAL_DEVICE_IDS="0,1"), or None when the variables are not set."""
+        optionally NONSTOP_LOCAL_DEVICE_IDS="0,1"); with NONSTOP_DISTRIBUTED=auto instead, JAX's
+        own cluster detection; None (a single process) when neither is set."""
         address = environ.get(ENV_COORDINATOR)
         if not address:
-            return None
+            mode = environ.get(ENV_DISTRIBUTED, "")
+            if mode not in ("", "auto"):
+                raise ValueError(f"{ENV_DISTRIBUTED}={mode!r} is invalid; expected 'auto' (or "
+                                 f"unset, and {ENV_COORDINATOR} etc. for an explicit job)")
+            return cls() if mode == "auto" else None
         try:
             devices = environ.get(ENV_LOCAL_DEVICE_IDS)
             return cls(coordinator_address=address,
@@ -163,10 +169,11 @@ def logical_partition_specs(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
 def local_rows(sharding: NamedSharding, global_rows: int) -> slice:
     """The rows of a [global_rows, ...] batch whose shards live on this process's devices.
 
-    The batch sharding splits only the leading axis, and `global_mesh` keeps each process's
-    devices contiguous, so they form one block.
+    Only how `sharding` splits the leading axis matters; `global_mesh` keeps each process's
+    devices contiguous, so its rows form one block.
     """
-    indices = sharding.addressable_devices_indices_map((global_rows,))
+    leading = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
+    indices = leading.addressable_devices_indices_map((global_rows,))
     starts = sorted({idx[0].indices(global_rows)[:2] for idx in indices.values()})
     for (_, stop), (start, _) in zip(starts, starts[1:], strict=False):
         if stop != start:
@@ -227,6 +234,15 @@ def fetch(tree: PyTree) -> PyTree:
                         tree)
 
 
+def max_over_processes(value: int) -> int:
+    """The largest `value` any process passed (a collective). E.g. each process packs its own
+    trajectories into some number of batches; all must then take that many steps, padding with
+    rows whose loss mask is all false."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier called `name`."""
     if jax.process_count() > 1:
@@ -244,6 +260,7 @@ __all__ = [
     "is_main_process",
     "local_rows",
     "logical_partition_specs",
+    "max_over_processes",
     "ordered_devices",
     "print_main",
     "process_run_dir",

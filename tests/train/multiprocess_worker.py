@@ -8,7 +8,8 @@ Both layouts take the same steps on the same global batches, so their parameters
 - SFT: `nonstop.sft.trainer.train` for 2 steps (checkpointing every step), then again to step 4,
   which restores the step-2 checkpoint collectively and resumes the data iterator; the final
   parameters and the export are written by process 0.
-- GRPO: the loss `PolicyTrainer` optimises, stepped on the global mesh with fixed trajectories.
+- GRPO: the loss `PolicyTrainer` optimises (with its KL to the reference policy), stepped by
+  SGD with momentum on the global mesh with fixed trajectories.
   The global batch is two shards of trajectories, each packed into 2 rows; with two processes
   each packs and uploads only its own shard, with one process the shards are concatenated.
 """
@@ -35,6 +36,7 @@ def main() -> None:
     # Before jax is imported: the device count is read once, when the CPU backend starts.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    os.makedirs(args.out, exist_ok=True)
 
     from nonstop.train import distributed
 
@@ -127,7 +129,11 @@ def run_grpo(out: str) -> None:
 
     cfg = PolicyTrainerConfig(
         algorithm=RLAlgorithmConfig.grpo(),
-        optimizer=OptimizerConfig(learning_rate=3e-3, schedule="constant", weight_decay=0.0),
+        # SGD with momentum, not AdamW: Adam's first steps are about lr * sign(g), so gradient
+        # components within float noise of zero (the KL term at ratio 1, for one) flip by ~lr
+        # under any change of reduction order, one process or two alike.
+        optimizer=OptimizerConfig(name="sgd", learning_rate=0.3, schedule="constant",
+                                  weight_decay=0.0),
         packing=PackingConfig(buckets=(16,), rows_per_batch=2, max_segments_per_row=4))
     trainer = PolicyTrainer(init_decoder(ModelConfig.tiny("qwen3", vocab_size=31), seed=0), cfg)
     mesh = distributed.global_mesh(fsdp=4)
@@ -148,7 +154,7 @@ def run_grpo(out: str) -> None:
     losses = []
     for k in range(GRPO_STEPS):
         packed = [trainer.pack(shard_trajectories(s, k)) for s in mine]
-        if any(len(p) != 1 for p in packed):
+        if distributed.max_over_processes(max(len(p) for p in packed)) != 1:
             raise AssertionError("each shard must pack into exactly one 2-row batch")
         local = jax.tree.map(lambda *rows: np.concatenate(rows), *[p[0].batch for p in packed])
         batch = distributed.global_batch(local, batch_sharding, global_rows)
