@@ -22,6 +22,7 @@ import yaml
 
 from nonstop import perf
 from nonstop.engine import Engine
+from nonstop.engine.placement import PlacementConfig, place
 from nonstop.models import (
     ModelConfig,
     Tokenizer,
@@ -98,6 +99,9 @@ class RLRunConfig:
     on_no_variance: Literal["skip", "stop"] = "skip"
     reward_on_error: Literal["skip", "zero", "raise"] = "skip"
     engine: EngineSettings = EngineSettings()
+    # Devices: one (the default), a colocated mesh shared by engine and trainer, or disjoint
+    # engine and trainer sub-meshes (`mode: disaggregated`; weights are resharded across).
+    placement: PlacementConfig = PlacementConfig()
     checkpoint: CheckpointSettings = CheckpointSettings(save_every=20)
 
     def algorithm_config(self) -> RLAlgorithmConfig:
@@ -198,10 +202,14 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             save_pretrained(model, warm_dir)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
+        engine_mesh = trainer_mesh = None
+        if cfg.placement != PlacementConfig():
+            placement = place(cfg.placement)
+            engine_mesh, trainer_mesh = placement.engine_mesh, placement.trainer_mesh
         trainer = PolicyTrainer(model, PolicyTrainerConfig(
             algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
             inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None,
-            critic_optimizer=cfg.critic_optimizer, seed=cfg.seed))
+            critic_optimizer=cfg.critic_optimizer, seed=cfg.seed), mesh=trainer_mesh)
         critic_checkpointer = None
         if trainer.critic is not None:
             critic_checkpointer = Checkpointer(CheckpointConfig(
@@ -246,7 +254,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
         started = time.perf_counter()
         with Engine(trainer.model(), max_slots=cfg.engine.max_slots,
                     max_len=cfg.engine.max_len, tokenizer=tokenizer,
-                    policy_version=start_step) as engine:
+                    policy_version=start_step, mesh=engine_mesh) as engine:
             learner = Learner(trainer, engine, tokenizer, examples, task.reward, learner_cfg,
                               on_step=on_step)
             learner.step = start_step

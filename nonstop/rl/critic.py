@@ -16,10 +16,12 @@ of token t. Column 0 is 0 (no state precedes a row's first token; it is never a 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.models import Decoder
@@ -31,6 +33,7 @@ from nonstop.train import (
     TrainState,
     build_optimizer,
     build_schedule,
+    distributed,
     make_train_step,
     target_mask,
 )
@@ -74,16 +77,23 @@ class Critic:
     def __init__(self, model: ValueModel, loss: ValueLossConfig, *, optimizer: OptimizerConfig,
                  aggregation: AggregationMode = "token_mean", max_segments: int = 64,
                  max_len_norm: int | None = None, grad_accum_steps: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, mesh: Mesh | None = None) -> None:
         self.loss = loss
         self.aggregation = aggregation
         self.max_segments = max_segments
         self.max_len_norm = max_len_norm
         tx = build_optimizer(optimizer)
         self.state = TrainState.create(model, tx, rng=jax.random.key(seed))
+        sharded: dict[str, Any] = {}
+        out: dict[str, Any] = {}
+        if mesh is not None:  # laid out like the policy on the trainer's mesh
+            self.state, shardings = distributed.place_train_state(self.state, mesh)
+            rows = distributed.batch_sharding(mesh)
+            sharded = dict(state_shardings=shardings, batch_sharding=rows)
+            out = dict(out_shardings=rows)
         self._step = make_train_step(self._loss, tx, learning_rate=build_schedule(optimizer),
-                                     grad_accum_steps=grad_accum_steps)
-        self._values = jax.jit(self._value_pass)
+                                     grad_accum_steps=grad_accum_steps, **sharded)
+        self._values = jax.jit(self._value_pass, **out)
 
     def _loss(self, model: ValueModel, vb: ValueBatch, rng: jax.Array):
         b = vb.batch

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.models import Decoder
@@ -44,11 +45,13 @@ from nonstop.train import (
     OptimizerConfig,
     PackedBatch,
     PackingConfig,
+    PackingStats,
     TokenSequence,
     TrainBatch,
     TrainState,
     build_optimizer,
     build_schedule,
+    distributed,
     make_train_step,
     pack_units,
     target_mask,
@@ -93,20 +96,36 @@ def trajectory_units(trajectories: Sequence[Trajectory], *, per_token: bool = Fa
     return units
 
 
+def _empty_like(packed: PackedBatch) -> PackedBatch:
+    """A batch of the same shape with no tokens: a step on it changes nothing but the count."""
+    empty = jax.tree.map(np.zeros_like, packed.batch)
+    return PackedBatch(batch=empty, stats=PackingStats(), placements=())
+
+
 class PolicyTrainer:
     """Train state, the jitted RL step, and the log-prob passes it needs."""
 
-    def __init__(self, model: Decoder, cfg: PolicyTrainerConfig) -> None:
+    def __init__(self, model: Decoder, cfg: PolicyTrainerConfig, *,
+                 mesh: Mesh | None = None) -> None:
         self.cfg = cfg
         self.algorithm = cfg.algorithm
         self.max_segments = cfg.packing.max_segments_per_row
+        self.mesh = mesh
+        self._check_processes()
         self._schedule = build_schedule(cfg.optimizer)
         optimizer = build_optimizer(cfg.optimizer)
         wrt = nnx.LoRAParam if cfg.lora_only else nnx.Param
         self.state = TrainState.create(model, optimizer, rng=jax.random.key(cfg.seed), wrt=wrt)
+        sharded: dict[str, Any] = {}
+        self._batch_sharding = None
+        if mesh is not None:
+            self.state, shardings = distributed.place_train_state(self.state, mesh)
+            self._batch_sharding = distributed.batch_sharding(mesh)
+            sharded = dict(state_shardings=shardings, batch_sharding=self._batch_sharding)
         self._step = make_train_step(self._loss, optimizer, learning_rate=self._schedule,
-                                     grad_accum_steps=cfg.grad_accum_steps)
-        self._logprobs = jax.jit(self._logprob_pass)
+                                     grad_accum_steps=cfg.grad_accum_steps, **sharded)
+        self._logprobs = jax.jit(self._logprob_pass,
+                                 **({} if mesh is None else {"out_shardings": self._batch_sharding}))
         kl = self.algorithm.kl
         self.kl_in_reward = kl.enabled and kl.mode == "reward"
         self.needs_reference = kl.enabled
@@ -125,8 +144,28 @@ class PolicyTrainer:
                                  optimizer=cfg.critic_optimizer or cfg.optimizer,
                                  aggregation=loss.aggregation, max_segments=self.max_segments,
                                  max_len_norm=loss.max_len_norm,
-                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed + 1)
+                                 grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed + 1,
+                                 mesh=mesh)
             self._gae = jax.jit(self._gae_pass)
+
+    def _check_processes(self) -> None:
+        """Under `jax.distributed` each process trains on its own trajectories; what needs the
+        whole step's episodes on one host is refused with the reason."""
+        if jax.process_count() == 1:
+            return
+        if self.mesh is None:
+            raise ValueError(f"PolicyTrainer: {jax.process_count()} processes need the global "
+                             "mesh (mesh=distributed.global_mesh(...))")
+        if len(self.cfg.packing.buckets) != 1:
+            raise ValueError(
+                f"PolicyTrainer: with several processes every process must take steps of the "
+                f"same shape; use a single packing bucket, not {self.cfg.packing.buckets}")
+        if self.algorithm.value is not None or self.algorithm.kl.mode == "reward" and \
+                self.algorithm.kl.enabled:
+            raise ValueError(
+                f"{self.algorithm.name}: PPO's whitened GAE and KL-in-reward read the whole "
+                "step on one host, which several processes do not do yet; use a group "
+                "estimator with a loss-mode KL (grpo, dr_grpo, dapo, gspo) multi-host")
 
     # ---- pure functions (jitted) ---------------------------------------------------------------
 
@@ -196,7 +235,7 @@ class PolicyTrainer:
         sums = []
         with perf.span(perf.TRAIN_DATA_WAIT, stage="reference_kl"):
             for packed in pack_units(units, self.cfg.packing):
-                batch = jax.tree.map(jnp.asarray, packed.batch)
+                batch = self._put(packed.batch)
                 ref = self._logprobs(self._reference_params, self.state.frozen, batch)
                 kl = self._reward_kl(dataclasses.replace(batch, ref_logprobs=ref))
                 sums += [float(x.sum()) for x in packed.gather(np.asarray(kl))]
@@ -235,8 +274,18 @@ class PolicyTrainer:
                  "reward_kl": float(kl_tokens.mean()) if kl_tokens.size else 0.0}
         return out_batches, value_batches, stats
 
+    def _put(self, batch: TrainBatch) -> TrainBatch:
+        """A packed host batch on the trainer's devices: one device, the mesh, or (several
+        processes) this process's rows of the global batch."""
+        if self._batch_sharding is None:
+            return jax.tree.map(jnp.asarray, batch)
+        if jax.process_count() == 1:
+            return jax.device_put(batch, self._batch_sharding)
+        rows = self.cfg.packing.rows_per_batch * jax.process_count()
+        return distributed.global_batch(batch, self._batch_sharding, rows)
+
     def _with_logprobs(self, packed: PackedBatch) -> TrainBatch:
-        batch = jax.tree.map(jnp.asarray, packed.batch)
+        batch = self._put(packed.batch)
         changes: dict[str, Any] = {}
         if self.needs_old:
             changes["old_logprobs"] = self._logprobs(self.state.params, self.state.frozen, batch)
@@ -250,6 +299,9 @@ class PolicyTrainer:
         if not trajectories:
             raise ValueError("train() needs at least one trajectory")
         packed = self.pack(trajectories)
+        if jax.process_count() > 1:  # every process takes the same number of steps
+            missing = distributed.max_over_processes(len(packed)) - len(packed)
+            packed += [_empty_like(packed[0])] * missing
         with perf.span(perf.TRAIN_DATA_WAIT, stage="logprobs"):
             batches = [self._with_logprobs(p) for p in packed]
         value_batches: list[ValueBatch] = []

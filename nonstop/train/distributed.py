@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules, make_mesh
+from nonstop.train.state import TrainState, state_shardings
 
 PyTree = Any
 
@@ -166,6 +167,19 @@ def logical_partition_specs(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
     return lambda state: jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows of a batch split over the mesh's ("data", "fsdp") devices."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def place_train_state(state: TrainState, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
+                      ) -> tuple[TrainState, TrainState]:
+    """(state on `mesh` laid out by its variables' logical axes, the matching shardings) — what
+    `make_train_step(state_shardings=...)` takes. Every process passes identical values."""
+    shardings = state_shardings(state, mesh, partition_specs=logical_partition_specs(mesh, rules))
+    return put_global(state, shardings), shardings
+
+
 def local_rows(sharding: NamedSharding, global_rows: int) -> slice:
     """The rows of a [global_rows, ...] batch whose shards live on this process's devices.
 
@@ -252,6 +266,8 @@ def barrier(name: str) -> None:
 __all__ = [
     "DistributedConfig",
     "barrier",
+    "batch_sharding",
+    "place_train_state",
     "fetch",
     "global_batch",
     "global_batch_from_full",

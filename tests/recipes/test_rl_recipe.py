@@ -81,3 +81,20 @@ def test_length_constants_follow_the_generation_budget():
     dapo = load_config(RLRunConfig, None, ["algorithm=dapo", "rollout.max_new_tokens=40"])
     overlong = dapo.algorithm_config().overlong
     assert (overlong.max_response_tokens, overlong.buffer_tokens) == (40, 8)
+
+
+def test_disaggregated_run_trains_on_its_own_devices(tmp_path):
+    # 8 forced CPU devices: the engine decodes on 4 (data 2 x tp 2) while the trainer steps on
+    # the other 4 (fsdp 4); weights are resharded from the trainer's devices to the engine's.
+    common = [*TINY, "steps=2", "checkpoint.save_every=100"]
+    one = run_rl(load_config(RLRunConfig, "nonstop/recipes/configs/grpo_arithmetic.yaml",
+                             [*common, f"run_dir={tmp_path / 'one'}"]), progress=False)
+    split = run_rl(load_config(RLRunConfig, "nonstop/recipes/configs/grpo_arithmetic.yaml", [
+        *common, f"run_dir={tmp_path / 'split'}", "placement.mode=disaggregated",
+        "placement.engine.data=2", "placement.engine.tp=2", "placement.trainer.fsdp=4"]),
+        progress=False)
+    # The first step's rollouts come from identical weights and seeds.
+    assert _rewards(tmp_path / "split")[0] == _rewards(tmp_path / "one")[0]
+    first = [h for h in split["history"] if "loss" in h]
+    assert len(first) == 2 and all(h["optimizer_steps"] >= 1 for h in first)
+    assert abs(first[0]["loss"] - [h for h in one["history"] if "loss" in h][0]["loss"]) < 1e-4

@@ -8,10 +8,10 @@ Both layouts take the same steps on the same global batches, so their parameters
 - SFT: `nonstop.sft.trainer.train` for 2 steps (checkpointing every step), then again to step 4,
   which restores the step-2 checkpoint collectively and resumes the data iterator; the final
   parameters and the export are written by process 0.
-- GRPO: the loss `PolicyTrainer` optimises (with its KL to the reference policy), stepped by
-  SGD with momentum on the global mesh with fixed trajectories.
-  The global batch is two shards of trajectories, each packed into 2 rows; with two processes
-  each packs and uploads only its own shard, with one process the shards are concatenated.
+- GRPO: `PolicyTrainer(mesh=global_mesh)` (with its KL to the reference policy) trains on fixed
+  trajectories with SGD with momentum. The step's trajectories are two shards, each packing into
+  2 rows; with two processes each passes only its own shard to `train()` (its rows of the global
+  batch), with one process both shards pack into the same 4 rows.
 """
 
 from __future__ import annotations
@@ -108,25 +108,16 @@ def shard_trajectories(shard: int, step: int) -> list:
 
 
 def run_grpo(out: str) -> None:
-    import dataclasses
-
     import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from nonstop.models import ModelConfig, init_decoder
     from nonstop.rl import RLAlgorithmConfig
     from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
-    from nonstop.train import (
-        OptimizerConfig,
-        PackingConfig,
-        build_optimizer,
-        build_schedule,
-        distributed,
-        make_train_step,
-        state_shardings,
-    )
+    from nonstop.train import OptimizerConfig, PackingConfig, distributed
 
+    # This process's shards: its own with several processes, all of them with one; each shard
+    # packs into 2 rows, so `rows_per_batch` (rows per process) is 2 per shard held.
+    mine = ([jax.process_index()] if jax.process_count() > 1 else list(range(SHARDS)))
     cfg = PolicyTrainerConfig(
         algorithm=RLAlgorithmConfig.grpo(),
         # SGD with momentum, not AdamW: Adam's first steps are about lr * sign(g), so gradient
@@ -134,35 +125,18 @@ def run_grpo(out: str) -> None:
         # under any change of reduction order, one process or two alike.
         optimizer=OptimizerConfig(name="sgd", learning_rate=0.3, schedule="constant",
                                   weight_decay=0.0),
-        packing=PackingConfig(buckets=(16,), rows_per_batch=2, max_segments_per_row=4))
-    trainer = PolicyTrainer(init_decoder(ModelConfig.tiny("qwen3", vocab_size=31), seed=0), cfg)
-    mesh = distributed.global_mesh(fsdp=4)
-    shardings = state_shardings(trainer.state, mesh,
-                                partition_specs=distributed.logical_partition_specs(mesh))
-    state = distributed.put_global(trainer.state, shardings)
-    reference = distributed.put_global(trainer._reference_params, shardings.params)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    step = make_train_step(trainer._loss, build_optimizer(cfg.optimizer),
-                           learning_rate=build_schedule(cfg.optimizer),
-                           state_shardings=shardings, batch_sharding=batch_sharding)
-    ref_logprobs = jax.jit(trainer._logprob_pass, out_shardings=batch_sharding)
-    save_tree(os.path.join(out, "grpo_initial.npz"), state.params)
-
-    # This process's shards: its own with several processes, all of them with one.
-    mine = ([jax.process_index()] if jax.process_count() > 1 else list(range(SHARDS)))
-    global_rows = SHARDS * cfg.packing.rows_per_batch
+        packing=PackingConfig(buckets=(16,), rows_per_batch=2 * len(mine),
+                              max_segments_per_row=4))
+    trainer = PolicyTrainer(init_decoder(ModelConfig.tiny("qwen3", vocab_size=31), seed=0), cfg,
+                            mesh=distributed.global_mesh(fsdp=4))
+    save_tree(os.path.join(out, "grpo_initial.npz"), trainer.state.params)
     losses = []
     for k in range(GRPO_STEPS):
-        packed = [trainer.pack(shard_trajectories(s, k)) for s in mine]
-        if distributed.max_over_processes(max(len(p) for p in packed)) != 1:
-            raise AssertionError("each shard must pack into exactly one 2-row batch")
-        local = jax.tree.map(lambda *rows: np.concatenate(rows), *[p[0].batch for p in packed])
-        batch = distributed.global_batch(local, batch_sharding, global_rows)
-        batch = dataclasses.replace(
-            batch, ref_logprobs=ref_logprobs(reference, state.frozen, batch))
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    save_tree(os.path.join(out, "grpo_params.npz"), state.params)
+        metrics = trainer.train([t for s in mine for t in shard_trajectories(s, k)])
+        if metrics["optimizer_steps"] != 1:
+            raise AssertionError(f"expected one optimizer step per train(), got {metrics}")
+        losses.append(metrics["loss"])
+    save_tree(os.path.join(out, "grpo_params.npz"), trainer.state.params)
     if distributed.is_main_process():
         with open(os.path.join(out, "grpo.json"), "w") as f:
             json.dump({"losses": losses}, f)
