@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "orpo": ("nonstop.cli.sft", "odds-ratio preference optimisation"),
     "rl": ("nonstop.cli.rl", "RL on prompts: GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token, RLOO"),
     "agentic": ("nonstop.cli.agentic", "agentic RL with tools and asynchronous rollouts"),
+    "vlm": ("nonstop.cli.vlm", "SFT or DPO of a Gemma 3 vision-language model (LoRA)"),
     "serve": ("nonstop.cli.serve", "serve a checkpoint over the OpenAI-compatible HTTP API"),
     "report": ("nonstop.cli.report", "explain where a run's time went"),
     "demo": ("nonstop.cli.demo", "the built-in end-to-end demo"),

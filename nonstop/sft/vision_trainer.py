@@ -1,136 +1,297 @@
-"""SFT and DPO of a Gemma 3 vision-language model on image + text JSONL, from Python.
+"""The trainer behind `nonstop vlm`: SFT or DPO of a Gemma 3 vision-language model with LoRA.
 
-    result = train_vision(VisionTrainConfig(model_path=..., data_path=..., kind="sft", ...),
-                          tokenizer=tokenizer)
+    result = train_vision(load_config(VisionTrainConfig, "vlm_sft_gemma3_4b.yaml", overrides))
 
-Read top to bottom: load the checkpoint (`load_pretrained` gives a `Gemma3VLM`), wrap LoRA on
-the language model (and, with `vision_lora`, on the vision attention), read the examples
-(`vision_data` / `vision_preference`: bad input fails here, naming the example), then the one
-jitted step of `make_train_step` over fixed-shape batches (one example per row), and finally,
-with `output_dir`, merge the adapters and write a checkpoint transformers loads, with the
-processor's `preprocessor_config.json` beside it.
+Read top to bottom: load the checkpoint (`load_pretrained` gives a `Gemma3VLM`), its tokenizer
+(unless one is passed) and image processor; wrap LoRA on the language model (and, with
+`vision_lora`, on the vision attention); read the examples (`vision_data` / `vision_preference`:
+bad input fails here, naming the file and line); then the one jitted step of `make_train_step`
+(the optimizer and schedule of `nonstop.train.optim`) over fixed-shape batches, one example per
+row, recorded through `nonstop.perf` and written by `MetricsWriter` to RUN_DIR/metrics.jsonl and
+RUN_DIR/tensorboard; finally, with `export`, merge the adapters and write a checkpoint
+transformers loads to RUN_DIR/export, with the tokenizer and `preprocessor_config.json` beside it.
+
+Metrics per step: loss, learning_rate, grad_norm, the loss's denominator (`loss_tokens` for SFT,
+`pairs` for DPO), tokens (real tokens in the batch, image placeholders included) and
+tokens_per_second, images (real images in the batch), and for DPO the DPO metrics.
 
 Departures from the text trainer (`trainer.py`): no packing (an example per row), no mesh, no
-resume, no gradient accumulation — what the CLI's Grain pipeline adds for text is not yet
-wired to images.
+checkpoints or resume, no gradient accumulation, and every image is decoded up front into host
+memory — what the text trainer's Grain pipeline adds is not yet wired to images.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Literal, get_args
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
+from nonstop import perf
+from nonstop.models.chat import ChatTemplate
 from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM
+from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.vision import VISION_LORA_TARGETS, apply_vision_lora, merge_vision_lora
 from nonstop.sft.losses import DPOConfig
-from nonstop.sft.vision_data import TextEncoder, make_vision_batch, read_vision_sft, vision_sft_loss
+from nonstop.sft.vision_data import (
+    TextEncoder,
+    VisionBatch,
+    VisionDataError,
+    VisionExample,
+    make_vision_batch,
+    read_vision_sft,
+    vision_sft_loss,
+)
 from nonstop.sft.vision_preference import read_vision_preference, vision_dpo_loss_fn
+from nonstop.train.metrics import MetricsConfig, MetricsWriter
+from nonstop.train.optim import OptimizerConfig, build_optimizer, build_schedule
 from nonstop.train.state import TrainState
-from nonstop.train.step import make_train_step
+from nonstop.train.step import LossFn, make_train_step
 
 VisionTask = Literal["sft", "dpo"]
+Dtype = Literal["float32", "bfloat16"]
+EXPORT_DIR = "export"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionTrainConfig:
-    """What to train, on what, and how long."""
+    """Everything one `nonstop vlm` run needs: what to train, on what, how and how long.
 
-    model_path: str
-    data_path: str
+    `optimizer.total_steps` (the schedule's length) follows `steps`; leave it unset.
+    """
+
     kind: VisionTask = "sft"
+    model_path: str  # a local Gemma3ForConditionalGeneration checkpoint directory
+    data_path: str  # JSONL; image paths in it are relative to its directory
+    tokenizer_path: str | None = None  # None: the tokenizer files in model_path
+    run_dir: str = "runs/vlm"
     steps: int = 100
     batch_size: int = 8
     seq_len: int = 512  # tokens per row, image tokens included (pairs: both segments)
     max_images: int = 8  # images per batch (pairs count each image twice)
-    learning_rate: float = 1e-4
+    dtype: Dtype = "float32"  # compute and frozen-base dtype; adapters train in float32
+    optimizer: OptimizerConfig = OptimizerConfig()
     lora: LoRAConfig = LoRAConfig()
     vision_lora: bool = False  # also adapt the vision tower's attention (q, k, v, o)
     dpo: DPOConfig = DPOConfig()
+    metrics: MetricsConfig = MetricsConfig()
     seed: int = 0
-    output_dir: str | None = None
+    export: bool = True  # merge the adapters and save_pretrained into RUN_DIR/export
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(VisionTask):
-            raise ValueError(f"VisionTrainConfig.kind={self.kind!r}; valid: "
-                             f"{get_args(VisionTask)}")
+        for name, choices in (("kind", VisionTask), ("dtype", Dtype)):
+            if getattr(self, name) not in get_args(choices):
+                raise ValueError(f"VisionTrainConfig.{name}={getattr(self, name)!r}; valid: "
+                                 f"{get_args(choices)}")
+        for name in ("model_path", "data_path", "run_dir"):
+            if not getattr(self, name):
+                raise ValueError(f"VisionTrainConfig.{name} is empty; give a path")
         for name in ("steps", "batch_size", "seq_len", "max_images"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VisionTrainConfig.{name} must be >= 1, got "
                                  f"{getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"VisionTrainConfig.learning_rate must be > 0, got "
-                             f"{self.learning_rate}")
+        if self.vision_lora and not set(self.lora.targets) & set(VISION_LORA_TARGETS):
+            raise ValueError(f"VisionTrainConfig.vision_lora: lora.targets {self.lora.targets} "
+                             f"name no attention projection; the vision tower adapts "
+                             f"{VISION_LORA_TARGETS}")
+        default_total = OptimizerConfig().total_steps
+        if self.optimizer.total_steps not in (default_total, self.steps):
+            raise ValueError(f"VisionTrainConfig.optimizer.total_steps="
+                             f"{self.optimizer.total_steps}: leave it unset, it follows "
+                             f"steps={self.steps}")
+        if self.optimizer.warmup_steps > self.steps:
+            raise ValueError(f"VisionTrainConfig.optimizer.warmup_steps="
+                             f"{self.optimizer.warmup_steps} must be in [0, steps={self.steps}]")
+        object.__setattr__(
+            self, "optimizer", dataclasses.replace(self.optimizer, total_steps=self.steps))
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionTrainResult:
+    """What a finished `train_vision` call did."""
+
+    run_dir: str
     model: Gemma3VLM  # adapters merged when exported, still wrapped otherwise
     losses: list[float]
-    metrics: list[dict[str, float]]
+    metrics: list[dict[str, float]]  # the records written to metrics.jsonl, one per step
     export_dir: str | None
 
 
-def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder,
+def load_vision_tokenizer(cfg: VisionTrainConfig) -> Tokenizer:
+    """The tokenizer at `tokenizer_path`, or the one saved with the checkpoint."""
+    return Tokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+
+
+def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder | None = None,
                  processor: ImageProcessor | None = None) -> VisionTrainResult:
-    """Run the whole training; `processor` defaults to the checkpoint's preprocessor config."""
-    model = load_pretrained(cfg.model_path)
+    """Run the whole training; `tokenizer` defaults to `load_vision_tokenizer(cfg)` and
+    `processor` to the checkpoint's preprocessor config."""
+    if not Path(cfg.model_path).is_dir():
+        raise FileNotFoundError(f"model_path={cfg.model_path!r}: not a directory; give a local "
+                                "Gemma 3 vision-language checkpoint (Hugging Face layout)")
+    if not Path(cfg.data_path).is_file():
+        raise FileNotFoundError(f"data_path={cfg.data_path!r}: no such file; give a JSONL file "
+                                "of image + text examples")
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    recording = (perf.run(cfg.run_dir) if perf.active_run_dir() is None
+                 else contextlib.nullcontext())
+    with recording:
+        return _train(cfg, tokenizer if tokenizer is not None else load_vision_tokenizer(cfg),
+                      processor)
+
+
+def build_vision_model(cfg: VisionTrainConfig, tokenizer: TextEncoder) -> Gemma3VLM:
+    """The checkpoint in `dtype` with LoRA on the language model (and the vision attention)."""
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    model = load_pretrained(cfg.model_path, dtype=dtype, param_dtype=dtype)
     if not isinstance(model, Gemma3VLM):
         raise ValueError(f"{cfg.model_path}: not a vision-language checkpoint "
-                         "(Gemma3ForConditionalGeneration); use the text trainer")
-    if processor is None:
-        processor = ImageProcessor.from_pretrained(cfg.model_path)
+                         "(Gemma3ForConditionalGeneration); train it with `nonstop sft`")
+    if isinstance(tokenizer, Tokenizer) and tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's "
+                         f"embedding table only {model.cfg.vocab_size}; use the checkpoint's own "
+                         "tokenizer (tokenizer_path=null)")
     apply_lora(model, cfg.lora, seed=cfg.seed)
     if cfg.vision_lora:
         vision_targets = tuple(t for t in cfg.lora.targets if t in VISION_LORA_TARGETS)
-        if not vision_targets:
-            raise ValueError(f"vision_lora: lora.targets {cfg.lora.targets} name no attention "
-                             f"projection; the vision tower adapts {VISION_LORA_TARGETS}")
         apply_vision_lora(model.vision, dataclasses.replace(cfg.lora, targets=vision_targets),
                           seed=cfg.seed + 1)
-    if cfg.kind == "sft":
-        examples = read_vision_sft(cfg.data_path, tokenizer, processor, model.vlm_cfg)
-        loss_fn = vision_sft_loss
-    else:
+    return model
+
+
+def read_examples(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: TextEncoder,
+                  processor: ImageProcessor) -> list[VisionExample]:
+    """Every example of `data_path`, images decoded; `messages` records use the tokenizer's
+    chat template when it has one."""
+    if cfg.kind == "dpo":
         examples = read_vision_preference(cfg.data_path, tokenizer, processor, model.vlm_cfg)
-        loss_fn = vision_dpo_loss_fn(cfg.dpo)
+    else:
+        template = None
+        if isinstance(tokenizer, Tokenizer) and tokenizer.chat_template is not None:
+            template = ChatTemplate.from_tokenizer(tokenizer)
+        examples = read_vision_sft(cfg.data_path, tokenizer, processor, model.vlm_cfg,
+                                   template=template)
     if not examples:
         raise ValueError(f"{cfg.data_path}: no examples")
-    optimizer = optax.adam(cfg.learning_rate)
+    check_fits(cfg, examples)
+    return examples
+
+
+def check_fits(cfg: VisionTrainConfig, examples: list[VisionExample]) -> None:
+    """Every example fits a row and a batch's images, checked before training starts (not at
+    the step that first draws it); errors name the file and line."""
+    # The readers make one example of each non-blank line, in order.
+    lines = [n for n, line in enumerate(Path(cfg.data_path).read_text().splitlines(), start=1)
+             if line.strip()]
+    for example, lineno in zip(examples, lines, strict=True):
+        where = f"{cfg.data_path}:{lineno}"
+        if len(example.tokens) > cfg.seq_len:
+            raise VisionDataError(f"{where}: the example has {len(example.tokens)} tokens (image "
+                                  f"tokens included), more than seq_len={cfg.seq_len}; raise "
+                                  "seq_len or shorten the example")
+        if len(example.images) > cfg.max_images:
+            raise VisionDataError(f"{where}: the example has {len(example.images)} images (a "
+                                  f"pair counts each twice), more than max_images="
+                                  f"{cfg.max_images}; raise max_images")
+
+
+def make_loss_fn(cfg: VisionTrainConfig) -> LossFn:
+    loss_fn = vision_sft_loss if cfg.kind == "sft" else vision_dpo_loss_fn(cfg.dpo)
+    if cfg.lora.dropout == 0:
+        return loss_fn
+
+    def with_dropout(model: nnx.Module, batch: VisionBatch, rng: jax.Array):
+        # A fresh LoRA dropout mask each step from the step's key, as the text trainer does.
+        nnx.reseed(model, dropout=rng)
+        return loss_fn(model, batch, rng)
+
+    return with_dropout
+
+
+def flops_per_example(model: Gemma3VLM) -> tuple[int, int]:
+    """6 x parameters per token of the language model and per patch of the vision tower (the
+    usual 6N estimate, for the report's MFU; the vision tower runs once per image patch)."""
+    base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+    vision_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.vision, base)))
+    vision = model.vlm_cfg.vision
+    patches = (vision.image_size // vision.patch_size) ** 2
+    return 6 * model.cfg.num_params(), 6 * vision_params * patches
+
+
+def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProcessor | None
+           ) -> VisionTrainResult:
+    model = build_vision_model(cfg, tokenizer)
+    if processor is None:
+        processor = ImageProcessor.from_pretrained(cfg.model_path)
+    flops_per_token, flops_per_image = flops_per_example(model)
+    with perf.span(perf.TRAIN_DATA_WAIT, what="read_examples"):
+        examples = read_examples(cfg, model, tokenizer, processor)
+    optimizer = build_optimizer(cfg.optimizer)
     state = TrainState.create(model, optimizer, rng=jax.random.key(cfg.seed), wrt=nnx.LoRAParam)
-    step = make_train_step(loss_fn, optimizer)
+    del model
+    step_fn = make_train_step(make_loss_fn(cfg), optimizer,
+                              learning_rate=build_schedule(cfg.optimizer))
+    denominator = "pairs" if cfg.kind == "dpo" else "loss_tokens"
     rng = np.random.RandomState(cfg.seed)
     order: list[int] = []
-    losses, metrics = [], []
-    for _ in range(cfg.steps):
-        if len(order) < cfg.batch_size:  # a new epoch: reshuffle
-            order += rng.permutation(len(examples)).tolist()
-        take, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        batch = make_vision_batch([examples[i] for i in take], seq_len=cfg.seq_len,
-                                  max_images=cfg.max_images)
-        state, out = step(state, batch)
-        host = {k: float(v) for k, v in jax.device_get(out).items()}
-        losses.append(host["loss"])
-        metrics.append(host)
+    records: list[dict[str, float]] = []
+    writer = MetricsWriter(cfg.run_dir, cfg.metrics, total_steps=cfg.steps,
+                           run_config=dataclasses.asdict(cfg))
+    with writer:
+        for step in range(1, cfg.steps + 1):
+            with perf.span(perf.TRAIN_DATA_WAIT, step=step):
+                if len(order) < cfg.batch_size:  # a new epoch: reshuffle
+                    order += rng.permutation(len(examples)).tolist()
+                take, order = order[:cfg.batch_size], order[cfg.batch_size:]
+                chosen = [examples[i] for i in take]
+                batch = make_vision_batch(chosen, seq_len=cfg.seq_len,
+                                          max_images=cfg.max_images)
+            with perf.span(perf.TRAIN_STEP, step=step):
+                with perf.device_busy(perf.TRAINER, step=step):
+                    state, metrics = step_fn(state, batch)
+                    metrics["loss"].block_until_ready()
+            tokens = int(np.count_nonzero(batch.segment_ids))
+            images = sum(len(ex.images) for ex in chosen)
+            perf.count(perf.TRAIN_TOKENS, tokens)
+            perf.count(perf.TRAIN_FLOPS, flops_per_token * tokens + flops_per_image * images)
+            metrics[denominator] = metrics.pop("tokens")
+            written = writer.write(step, {**metrics, "tokens": tokens, "images": images})
+            if written is not None:
+                records.append(written)
+        written = writer.flush()
+        if written is not None:
+            records.append(written)
     model = state.model()
-    export_dir = None
-    if cfg.output_dir is not None:
-        merge_lora(model)
-        merge_vision_lora(model.vision)
-        save_pretrained(model, cfg.output_dir)
-        export_dir = cfg.output_dir
-        (Path(export_dir) / "preprocessor_config.json").write_text(
-            json.dumps(processor.to_dict(), indent=2))
-    return VisionTrainResult(model=model, losses=losses, metrics=metrics, export_dir=export_dir)
+    export_dir = export_vision_model(cfg, model, tokenizer, processor) if cfg.export else None
+    return VisionTrainResult(run_dir=cfg.run_dir, model=model,
+                             losses=[r["loss"] for r in records], metrics=records,
+                             export_dir=export_dir)
 
 
-__all__ = ["VisionTrainConfig", "VisionTrainResult", "train_vision"]
+def export_vision_model(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: TextEncoder,
+                        processor: ImageProcessor) -> str:
+    """Merge the adapters (in place) and write RUN_DIR/export: weights, tokenizer (when it is a
+    `Tokenizer`) and `preprocessor_config.json`, a directory transformers loads."""
+    merge_lora(model)
+    merge_vision_lora(model.vision)
+    directory = os.path.join(cfg.run_dir, EXPORT_DIR)
+    save_pretrained(model, directory)
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer.save_pretrained(directory)
+    (Path(directory) / "preprocessor_config.json").write_text(
+        json.dumps(processor.to_dict(), indent=2))
+    return directory
+
+
+__all__ = ["EXPORT_DIR", "VisionTrainConfig", "VisionTrainResult", "build_vision_model",
+           "export_vision_model", "load_vision_tokenizer", "train_vision"]

@@ -16,6 +16,7 @@ from nonstop.recipes.rl_recipe import RLRunConfig, build_model, build_tokenizer
 from nonstop.sft.config import SFTRunConfig
 from nonstop.sft.trainer import build_model as build_sft_model
 from nonstop.sft.trainer import load_tokenizer
+from nonstop.sft.vision_trainer import VisionTrainConfig
 from tests.models.tokenizer_fixtures import build_tiny_tokenizer
 
 CONFIGS = Path("nonstop/recipes/configs")
@@ -27,6 +28,8 @@ def _kind(path: Path):
     name = path.name
     if name.startswith("agentic"):
         return AgenticRunConfig
+    if name.startswith("vlm_"):
+        return VisionTrainConfig  # run end to end on a stand-in by tests/cli/test_vlm_cli.py
     if any(name.startswith(p) for p in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "ppo")):
         return RLRunConfig
     return SFTRunConfig

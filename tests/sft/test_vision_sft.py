@@ -36,6 +36,8 @@ from nonstop.sft.vision_data import (
 )
 from nonstop.sft.vision_preference import read_vision_preference, vision_dpo_loss_fn
 from nonstop.sft.vision_trainer import VisionTrainConfig, train_vision
+from nonstop.train.metrics import MetricsConfig, read_jsonl
+from nonstop.train.optim import OptimizerConfig
 from nonstop.train.state import TrainState
 from nonstop.train.step import make_train_step
 from tests.models.tokenizer_fixtures import build_tiny_tokenizer
@@ -215,11 +217,23 @@ def test_train_vision_exports_a_checkpoint_transformers_loads(setup, tmp_path):
     lora = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj"))
     result = train_vision(VisionTrainConfig(
         model_path=str(tmp_path / "base"), data_path=str(directory / "train.jsonl"), steps=3,
-        batch_size=4, seq_len=SEQ_LEN, max_images=4, learning_rate=1e-2, lora=lora,
-        vision_lora=True, output_dir=str(tmp_path / "out")), tokenizer=tokenizer)
+        batch_size=4, seq_len=SEQ_LEN, max_images=4, lora=lora, vision_lora=True,
+        optimizer=OptimizerConfig(learning_rate=1e-2, schedule="constant"),
+        metrics=MetricsConfig(progress_bar=False), run_dir=str(tmp_path / "run")),
+        tokenizer=tokenizer)
     assert len(result.losses) == 3 and all(np.isfinite(result.losses))
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["loss"] for r in records] == result.losses
+    assert all(r["learning_rate"] == pytest.approx(1e-2) for r in records)
+    # 4 rows of one image each; a row is "colour?\n\n", <boi> 4 x <image> <eoi>, "\n\n" and
+    # the one-token answer (the marker expands to "\n\n" <boi> ... <eoi> "\n\n").
+    row = len(tokenizer.encode("colour?\n\n")) + 6 + len(tokenizer.encode("\n\n")) + 1
+    assert all(r["images"] == 4 and r["tokens"] == 4 * row for r in records)
+    assert all(r["loss_tokens"] == 4 for r in records)  # one answer token a row
+    assert result.export_dir == str(tmp_path / "run" / "export")
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        tmp_path / "out", dtype=torch.float32).eval()
+        result.export_dir, dtype=torch.float32).eval()
     tokens = np.array([[2, 7, 384, 385, 385, 385, 385, 386, 9]], np.int64)
     images = np.random.RandomState(0).randn(1, 28, 28, 3).astype(np.float32)
     with torch.no_grad():
@@ -227,4 +241,4 @@ def test_train_vision_exports_a_checkpoint_transformers_loads(setup, tmp_path):
             0, 3, 1, 2), token_type_ids=torch.tensor(tokens == 385).long()).logits.numpy()
     ours, _ = result.model(jnp.asarray(tokens, jnp.int32), images=jnp.asarray(images))
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4, rtol=0)
-    assert ImageProcessor.from_pretrained(tmp_path / "out") == ImageProcessor(height=28, width=28)
+    assert ImageProcessor.from_pretrained(result.export_dir) == ImageProcessor(height=28, width=28)

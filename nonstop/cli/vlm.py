@@ -1,0 +1,65 @@
+"""`nonstop vlm --config FILE.yaml [key.sub=value ...]`: SFT or DPO of a Gemma 3 vision-language
+model, with LoRA on the language model (and, with vision_lora=true, on the vision attention).
+
+The config is a `VisionTrainConfig` (nonstop/sft/vision_trainer.py) read from YAML, then the
+dotted overrides in order; `kind` (sft or dpo) chooses the objective. The tokenizer and the image
+processor come from the checkpoint directory (tokenizer_path=... to use another tokenizer).
+An example config lives in nonstop/recipes/configs/:
+
+    nonstop vlm --config nonstop/recipes/configs/vlm_sft_gemma3_4b.yaml \\
+        model_path=/ckpt/gemma-3-4b-it data_path=/data/captions.jsonl run_dir=runs/vlm
+
+Data is JSONL: {"prompt": "...<start_of_image>...", "completion": ..., "images": ["a.png"]} or
+{"messages": [...]} with {"type": "image", "path": ...} content blocks for sft,
+{"prompt", "chosen", "rejected", "images"} for dpo; image paths are relative to the JSONL file.
+
+A run directory records the resolved config (config.yaml), metrics (metrics.jsonl,
+tensorboard/), the perf trace and, at the end, export/ (a Hugging Face checkpoint with the
+tokenizer and preprocessor_config.json). There are no checkpoints and no resume yet. Bad input —
+an unknown key, a bad value, a malformed data line, a missing or unreadable image, an example
+longer than seq_len — stops the run with a message naming the key or the file and line
+(exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nonstop.cli.config_command import add_config_command
+
+COMMAND = "nonstop vlm"
+CONFIG_RECORD = "config.yaml"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `vlm` on the top-level CLI's subparsers."""
+    return add_config_command(subparsers, "vlm", help="SFT or DPO of a Gemma 3 vision-language "
+                              "model (LoRA)", description=__doc__,
+                              config_name="VisionTrainConfig", run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as configured; returns the process exit code."""
+    # Imported here so that `nonstop vlm --help` does not pay for JAX.
+    import yaml
+
+    from nonstop.recipes.config_io import dump_config, load_config
+    from nonstop.sft.vision_trainer import VisionTrainConfig, train_vision
+
+    try:
+        cfg = load_config(VisionTrainConfig, args.config, list(args.overrides))
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.run_dir, CONFIG_RECORD), "w", encoding="utf-8") as handle:
+            yaml.safe_dump(dump_config(cfg), handle, sort_keys=False)
+        result = train_vision(cfg)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
+        # ValueError covers ConfigError, CheckpointError, VisionDataError and ImageError.
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"{COMMAND}: error: {message}", file=sys.stderr)
+        return 2
+    loss = f"{result.losses[-1]:.4g}" if result.losses else "n/a"
+    print(f"{COMMAND} ({cfg.kind}): {result.run_dir}: {len(result.losses)} steps, loss {loss}"
+          + (f", exported to {result.export_dir}" if result.export_dir else ""))
+    return 0
