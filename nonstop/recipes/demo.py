@@ -48,9 +48,9 @@ class DemoConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
     max_operand: int = 20
-    sft_steps: int = 400
+    sft_steps: int = 550  # the model learns to copy numbers into tool calls at ~500-600
     sft_learning_rate: float = 3e-3
-    rl_steps: int = 30
+    rl_steps: int = 40
     rl_learning_rate: float = 1e-4
     group_size: int = 8
     groups_per_step: int = 8

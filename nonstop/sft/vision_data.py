@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -119,6 +119,22 @@ def render_image_messages(messages: list[dict[str, Any]], template: ChatTemplate
     return prompt, full[len(prompt):], paths
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file:line", record) for each non-blank line of a JSONL file of JSON objects."""
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VisionDataError(f"{where}: not valid JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise VisionDataError(f"{where}: a record must be a JSON object, got "
+                                  f"{type(record).__name__}")
+        yield where, record
+
+
 def read_vision_sft(path: str | Path, tokenizer: TextEncoder, processor: ImageProcessor,
                     cfg: VLMConfig, *, template: ChatTemplate | None = None
                     ) -> list[VisionExample]:
@@ -128,14 +144,7 @@ def read_vision_sft(path: str | Path, tokenizer: TextEncoder, processor: ImagePr
     image content blocks {"type": "image", "path": ...})."""
     path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise VisionDataError(f"{where}: not valid JSON: {e}") from None
+    for where, record in jsonl_records(path):
         if isinstance(record.get("messages"), list):
             if template is None:
                 raise VisionDataError(f"{where}: a 'messages' record needs a chat template")

@@ -11,7 +11,6 @@ with every LoRA adapter zeroed (`zeroed_adapters`), or none when `config.referen
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ from nonstop.sft.vision_data import (
     VisionDataError,
     VisionExample,
     encode_with_images,
+    jsonl_records,
 )
 from nonstop.train.logprobs import token_logprobs
 from nonstop.train.step import LossFn
@@ -40,14 +40,7 @@ def read_vision_preference(path: str | Path, tokenizer: TextEncoder, processor: 
     """Every preference pair of a JSONL file as a two-segment example."""
     path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise VisionDataError(f"{where}: not valid JSON: {e}") from None
+    for where, record in jsonl_records(path):
         for key in ("prompt", "chosen", "rejected"):
             if not isinstance(record.get(key), str):
                 raise VisionDataError(f"{where}: field {key!r} must be a string; the record has "
