@@ -75,7 +75,7 @@ class DeviceSteps:
                           else weight_shardings(state, mesh))
         self.initial_state = self.place(state, copy=False)
         self.cache_sharding = (
-            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+            jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
             else cache_sharding(model.cfg, num_slots=num_slots, max_len=max_len, mesh=mesh))
         self.cfg = model.cfg
         self.num_slots = num_slots

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
 import yaml
 
 from nonstop import perf
@@ -47,6 +48,7 @@ from nonstop.train import (
     MetricsWriter,
     OptimizerConfig,
     PackingConfig,
+    distributed,
 )
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo", "ppo"]
@@ -124,6 +126,19 @@ class RLRunConfig:
         return algorithm
 
 
+def multi_host_mesh(placement: PlacementConfig):
+    """The trainer's global mesh under `jax.distributed`: `placement.trainer`'s shape when it
+    covers every device, else fsdp over all of them. Engines stay on each host's devices."""
+    if placement.mode == "disaggregated":
+        raise ValueError("placement.mode=disaggregated splits one process's devices; with several "
+                         "processes each host runs its own engine and the trainer spans all hosts"
+                         " (leave placement at its default)")
+    shape = placement.trainer
+    if shape.num_devices == jax.device_count():
+        return distributed.global_mesh(data=shape.data, fsdp=shape.fsdp, tp=shape.tp)
+    return distributed.global_mesh(fsdp=jax.device_count())
+
+
 def build_task(cfg: TaskSettings) -> Task:
     if cfg.name == "arithmetic":
         return ArithmeticTask(digits=cfg.digits, ops=cfg.ops)
@@ -180,13 +195,20 @@ class CountingIterator:
 
 def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train; returns the eval reward before and after RL and the per-step history."""
+    # Under `jax.distributed` (NONSTOP_COORDINATOR_ADDRESS etc., see docs/scaling.md) every
+    # process runs this: each rolls out its own block of each step's prompts on its own engine,
+    # and the trainer steps on the global batch; process 0 writes the shared files.
+    distributed.initialize(distributed.DistributedConfig.from_env())
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    own_dir = Path(distributed.process_run_dir(str(run_dir)))
+    own_dir.mkdir(parents=True, exist_ok=True)
+    if distributed.is_main_process():
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     task = build_task(cfg.task)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     eval_examples = task.eval_examples(cfg.task.num_eval, seed=cfg.seed + 1)
-    with perf.run(run_dir / "perf"):
+    with perf.run(own_dir / "perf"):
         model = build_model(cfg.model, tokenizer, seed=cfg.seed)
         checkpointer = Checkpointer(CheckpointConfig(
             directory=str(run_dir / "checkpoints"), save_every=cfg.checkpoint.save_every,
@@ -199,11 +221,16 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             model = load_pretrained(warm_dir)
         elif cfg.warmup.steps and not resuming:
             model = supervised_warmup(model, tokenizer, task, cfg.warmup, seed=cfg.seed)
-            save_pretrained(model, warm_dir)
+            if distributed.is_main_process():
+                save_pretrained(model, warm_dir)
+            distributed.barrier("warmup_model")
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
         engine_mesh = trainer_mesh = None
-        if cfg.placement != PlacementConfig():
+        processes = jax.process_count()
+        if processes > 1:
+            trainer_mesh = multi_host_mesh(cfg.placement)
+        elif cfg.placement != PlacementConfig():
             placement = place(cfg.placement)
             engine_mesh, trainer_mesh = placement.engine_mesh, placement.trainer_mesh
         trainer = PolicyTrainer(model, PolicyTrainerConfig(
@@ -230,7 +257,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                 critic = critic_checkpointer.restore(trainer.critic.state, step=start_step)
                 trainer.critic.state = critic.state
         examples = CountingIterator(task.iter_examples("train", cfg.seed), skip=consumed)
-        writer = MetricsWriter(run_dir, MetricsConfig(progress_bar=progress),
+        writer = MetricsWriter(own_dir, MetricsConfig(progress_bar=progress),
                                total_steps=cfg.steps, resume_step=start_step or None)
         learner_cfg = LearnerConfig(rollout=cfg.rollout, steps=cfg.steps,
                                     eval_every=cfg.eval_every,
@@ -252,9 +279,14 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                                                              examples.consumed})
 
         started = time.perf_counter()
-        with Engine(trainer.model(), max_slots=cfg.engine.max_slots,
+        # Several processes: each host's engine holds a local copy (the trainer's arrays span
+        # every host); it starts from the initial model and takes the trainer's weights.
+        engine_model = trainer.model() if processes == 1 else model
+        with Engine(engine_model, max_slots=cfg.engine.max_slots,
                     max_len=cfg.engine.max_len, tokenizer=tokenizer,
                     policy_version=start_step, mesh=engine_mesh) as engine:
+            if processes > 1 and start_step:
+                engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)
             learner = Learner(trainer, engine, tokenizer, examples, task.reward, learner_cfg,
                               on_step=on_step)
             learner.step = start_step

@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,6 +31,7 @@ from nonstop.rl.advantages import episode_advantages, overlong_penalty
 from nonstop.rl.policy_trainer import PolicyTrainer
 from nonstop.rl.rewards import Example, OnError, Reward, evaluate_rewards
 from nonstop.rl.trajectory import Trajectory
+from nonstop.train import distributed
 
 PromptFormat = Literal["raw", "chat"]
 
@@ -112,14 +114,16 @@ class Learner:
                               stop_token_ids=tuple(self.tokenizer.eos_ids), seed=seed)
 
     async def _rollout_groups(self, examples: Sequence[Example], first_group: int,
-                              seed_base: int) -> list[list[Trajectory]]:
+                              seed_base: int, offset: int = 0) -> list[list[Trajectory]]:
+        """G rollouts per example; group g of this batch is the step's group `offset + g` (its
+        seeds and group id), so a prompt draws the same samples whichever process runs it."""
         r = self.cfg.rollout
         prompts = [encode_prompt(self.tokenizer, e.prompt, r.prompt_format, r.add_bos)
                    for e in examples]
         requests = []
         for g, prompt in enumerate(prompts):
             for i in range(r.group_size):
-                seed = seed_base + g * r.group_size + i
+                seed = seed_base + (offset + g) * r.group_size + i
                 requests.append(self.engine.generate(prompt, self._sampling(seed)))
         completions = await asyncio.gather(*requests)
         groups: list[list[Trajectory]] = []
@@ -128,7 +132,8 @@ class Learner:
             for i in range(r.group_size):
                 c = completions[g * r.group_size + i]
                 group.append(Trajectory.from_completion(
-                    prompt, c.tokens, c.logprobs, c.policy_versions, group_id=first_group + g,
+                    prompt, c.tokens, c.logprobs, c.policy_versions,
+                    group_id=first_group + offset + g,
                     episode_id=next(self._episode_ids), finish_reason=c.finish_reason))
             groups.append(group)
         return groups
@@ -199,15 +204,20 @@ class Learner:
         kept: list[list[Trajectory]] = []
         rounds = 1 + (self.cfg.max_sampling_rounds if self.trainer.algorithm.dynamic_sampling
                       else 0)
+        processes, rank = jax.process_count(), jax.process_index()
         for round_ in range(rounds):
             need = r.prompts_per_step - len(kept)
-            if need <= 0:
+            # Under jax.distributed every process draws the same examples (so the streams stay
+            # in step) and rolls out its own contiguous block of them.
+            need_all = distributed.max_over_processes(need)
+            if need_all <= 0:
                 break
-            examples = [next(self.examples) for _ in range(need)]
+            drawn = [next(self.examples) for _ in range(need_all * processes)]
+            examples = drawn[rank * need_all:rank * need_all + max(need, 0)]
             seed_base = (self.cfg.seed * 1_000_003 + step * 10_007 + round_ * 1_009) * 4096
             with perf.span(perf.ROLLOUT_QUEUE_WAIT, step=step, stage="collect"):
                 groups = await self._rollout_groups(examples, step * 1000 + round_ * 100,
-                                                    seed_base)
+                                                    seed_base, offset=rank * need_all)
             with perf.span(perf.ROLLOUT_REWARD, step=step):
                 kept += await self._score(groups, examples, stats)
             stats.sampling_rounds = round_ + 1
@@ -241,17 +251,24 @@ class Learner:
 
     def sync_weights(self) -> None:
         with perf.span(perf.TRAIN_WEIGHT_SYNC, step=self.step):
-            self.engine.update_weights(self.trainer.policy_params(), self.step)
+            params = self.trainer.policy_params()
+            if jax.process_count() > 1:  # each host's engine runs on its own devices
+                params = distributed.fetch(params)
+            self.engine.update_weights(params, self.step)
 
     async def train_step(self) -> dict[str, Any]:
         groups, stats = await self.collect(self.step)
         episodes = [t for g in groups for t in g]
         metrics: dict[str, Any] = {"step": self.step, **dataclasses.asdict(stats)}
-        if episodes:
-            rewards = [t.reward for t in episodes]
-            metrics.update(reward_mean=float(np.mean(rewards)),
-                           completion_tokens=float(np.mean([t.num_sampled for t in episodes])))
-            if self.trainer.kl_in_reward and "kl_penalty" in episodes[0].info:
+        # Sums over every process's episodes (one process: its own).
+        count, reward_sum, token_sum = distributed.sum_over_processes(
+            [len(episodes), sum(t.reward for t in episodes),
+             sum(t.num_sampled for t in episodes)])
+        if count:
+            metrics.update(reward_mean=float(reward_sum / count),
+                           completion_tokens=float(token_sum / count))
+        if episodes or jax.process_count() > 1:  # all processes take the same steps
+            if self.trainer.kl_in_reward and episodes and "kl_penalty" in episodes[0].info:
                 metrics["kl_penalty"] = float(np.mean([t.info["kl_penalty"] for t in episodes]))
             metrics.update(self.trainer.train(episodes))
         self.step += 1

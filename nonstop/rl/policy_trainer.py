@@ -96,12 +96,6 @@ def trajectory_units(trajectories: Sequence[Trajectory], *, per_token: bool = Fa
     return units
 
 
-def _empty_like(packed: PackedBatch) -> PackedBatch:
-    """A batch of the same shape with no tokens: a step on it changes nothing but the count."""
-    empty = jax.tree.map(np.zeros_like, packed.batch)
-    return PackedBatch(batch=empty, stats=PackingStats(), placements=())
-
-
 class PolicyTrainer:
     """Train state, the jitted RL step, and the log-prob passes it needs."""
 
@@ -274,6 +268,17 @@ class PolicyTrainer:
                  "reward_kl": float(kl_tokens.mean()) if kl_tokens.size else 0.0}
         return out_batches, value_batches, stats
 
+    def _empty_batch(self) -> PackedBatch:
+        """A batch of this trainer's (single-bucket) shape with no tokens, for a process that
+        has fewer batches than another: stepping on it adds nothing to the gradient sums."""
+        shape = (self.cfg.packing.rows_per_batch, self.cfg.packing.buckets[0])
+        floats = {name: np.zeros(shape, np.float32)
+                  for name in ("advantages", "behavior_logprobs")}
+        batch = TrainBatch(tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
+                           segment_ids=np.zeros(shape, np.int32),
+                           loss_mask=np.zeros(shape, bool), **floats)
+        return PackedBatch(batch=batch, stats=PackingStats(), placements=())
+
     def _put(self, batch: TrainBatch) -> TrainBatch:
         """A packed host batch on the trainer's devices: one device, the mesh, or (several
         processes) this process's rows of the global batch."""
@@ -296,12 +301,14 @@ class PolicyTrainer:
 
     def train(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """μ epochs of optimizer steps over the trajectories; returns the mean of the metrics."""
-        if not trajectories:
+        if not trajectories and jax.process_count() == 1:
             raise ValueError("train() needs at least one trajectory")
-        packed = self.pack(trajectories)
+        packed = self.pack(trajectories) if trajectories else []
         if jax.process_count() > 1:  # every process takes the same number of steps
             missing = distributed.max_over_processes(len(packed)) - len(packed)
-            packed += [_empty_like(packed[0])] * missing
+            packed += [self._empty_batch()] * missing
+            if not packed:
+                return {"optimizer_steps": 0.0, "packed_rows": 0.0}
         with perf.span(perf.TRAIN_DATA_WAIT, stage="logprobs"):
             batches = [self._with_logprobs(p) for p in packed]
         value_batches: list[ValueBatch] = []

@@ -257,6 +257,14 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int64))))
 
 
+def sum_over_processes(values: Any) -> np.ndarray:
+    """Elementwise sum of a small float64 vector over all processes (a collective)."""
+    values = np.asarray(values, np.float64)
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier called `name`."""
     if jax.process_count() > 1:
@@ -268,6 +276,7 @@ __all__ = [
     "barrier",
     "batch_sharding",
     "place_train_state",
+    "sum_over_processes",
     "fetch",
     "global_batch",
     "global_batch_from_full",

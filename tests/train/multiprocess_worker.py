@@ -48,6 +48,7 @@ def main() -> None:
     distributed.initialize(cfg)
     run_sft(args.out)
     run_grpo(args.out)
+    run_rl_recipe(args.out)
     distributed.barrier("worker done")
 
 
@@ -140,6 +141,27 @@ def run_grpo(out: str) -> None:
     if distributed.is_main_process():
         with open(os.path.join(out, "grpo.json"), "w") as f:
             json.dump({"losses": losses}, f)
+
+
+def run_rl_recipe(out: str) -> None:
+    """`nonstop rl` end to end: 4 prompts x 4 samples per step; with two processes each rolls
+    out 2 prompts on its own engine and packs them into its 2 rows of the global batch."""
+    import jax
+
+    from nonstop.recipes.config_io import load_config
+    from nonstop.recipes.rl_recipe import RLRunConfig, run_rl
+
+    processes = jax.process_count()
+    cfg = load_config(RLRunConfig, os.path.join(REPO_ROOT, "nonstop/recipes/configs/"
+                                                 "grpo_arithmetic.yaml"), [
+        f"run_dir={os.path.join(out, 'rl')}", "steps=2", "eval_every=2", "warmup.steps=0",
+        "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
+        "model.head_dim=8", "task.num_eval=8", "rollout.group_size=4",
+        f"rollout.prompts_per_step={4 // processes}", "rollout.max_new_tokens=4",
+        "engine.max_slots=16", "engine.max_len=32", "packing.buckets=[128]",
+        f"packing.rows_per_batch={4 // processes}", "optimizer.name=sgd",
+        "optimizer.learning_rate=0.3", "checkpoint.save_every=100"])
+    run_rl(cfg, progress=False)
 
 
 if __name__ == "__main__":

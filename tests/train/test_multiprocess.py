@@ -1,5 +1,6 @@
 """Two processes under `jax.distributed` (localhost, gloo CPU collectives, 2 devices each) take the
-same SFT and GRPO steps as one process on 4 devices: same global mesh shape, same global batches.
+same SFT and GRPO steps as one process on 4 devices: same global mesh shape, same global batches;
+and `nonstop rl` run as two processes follows the one-process run's reward and loss curve.
 
 The worker (`tests/train/multiprocess_worker.py`) runs `nonstop.sft.trainer.train` with a
 collective Orbax checkpoint and resume, then GRPO steps with per-process trajectory shards.
@@ -106,6 +107,18 @@ def test_grpo_two_processes_equal_one(runs):
         with open(os.path.join(out, "grpo.json")) as f:
             losses.append(json.load(f)["losses"])
     np.testing.assert_allclose(losses[0], losses[1], rtol=0, atol=TOLERANCE)
+
+
+def test_rl_recipe_two_processes_equal_one(runs):
+    # Each process rolled out its own half of every step's prompts (same seeds as the single
+    # process gives them) and the trainer stepped on the global batch: same curve.
+    curves = []
+    for out in runs:
+        lines = [json.loads(x) for x in open(os.path.join(out, "rl", "metrics.jsonl"))]
+        curves.append([(x["reward_mean"], x["loss"]) for x in lines if "loss" in x])
+    assert len(curves[0]) == 2
+    np.testing.assert_allclose(curves[0], curves[1], rtol=0, atol=TOLERANCE)
+    assert os.path.exists(os.path.join(runs[1], "rl", "process_1", "metrics.jsonl"))
 
 
 def test_distributed_config_from_env():
