@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import jax
 import yaml
+from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.engine import Engine
@@ -126,7 +127,7 @@ class RLRunConfig:
         return algorithm
 
 
-def multi_host_mesh(placement: PlacementConfig):
+def multi_host_mesh(placement: PlacementConfig) -> Mesh:
     """The trainer's global mesh under `jax.distributed`: `placement.trainer`'s shape when it
     covers every device, else fsdp over all of them. Engines stay on each host's devices."""
     if placement.mode == "disaggregated":

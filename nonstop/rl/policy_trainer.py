@@ -105,6 +105,9 @@ class PolicyTrainer:
         self.algorithm = cfg.algorithm
         self.max_segments = cfg.packing.max_segments_per_row
         self.mesh = mesh
+        kl = self.algorithm.kl
+        self.kl_in_reward = kl.enabled and kl.mode == "reward"
+        self.needs_reference = kl.enabled
         self._check_processes()
         self._schedule = build_schedule(cfg.optimizer)
         optimizer = build_optimizer(cfg.optimizer)
@@ -120,9 +123,6 @@ class PolicyTrainer:
                                      grad_accum_steps=cfg.grad_accum_steps, **sharded)
         self._logprobs = jax.jit(self._logprob_pass,
                                  **({} if mesh is None else {"out_shardings": self._batch_sharding}))
-        kl = self.algorithm.kl
-        self.kl_in_reward = kl.enabled and kl.mode == "reward"
-        self.needs_reference = kl.enabled
         self._reference_params = None
         if self.needs_reference:
             params = self.state.params
@@ -154,8 +154,7 @@ class PolicyTrainer:
             raise ValueError(
                 f"PolicyTrainer: with several processes every process must take steps of the "
                 f"same shape; use a single packing bucket, not {self.cfg.packing.buckets}")
-        if self.algorithm.value is not None or self.algorithm.kl.mode == "reward" and \
-                self.algorithm.kl.enabled:
+        if self.algorithm.value is not None or self.kl_in_reward:
             raise ValueError(
                 f"{self.algorithm.name}: PPO's whitened GAE and KL-in-reward read the whole "
                 "step on one host, which several processes do not do yet; use a group "

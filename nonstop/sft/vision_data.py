@@ -119,6 +119,25 @@ def render_image_messages(messages: list[dict[str, Any]], template: ChatTemplate
     return prompt, full[len(prompt):], paths
 
 
+def prompt_with_images(where: str, prompt_text: str, image_paths: Any, base_dir: Path,
+                       tokenizer: TextEncoder, processor: ImageProcessor, cfg: VLMConfig
+                       ) -> tuple[list[int], np.ndarray]:
+    """The prompt's token ids (image markers expanded) and its processed images, checking that
+    there is one image path (relative to `base_dir`) per marker."""
+    if not isinstance(image_paths, list):
+        raise VisionDataError(f"{where}: field 'images' must be a list of file paths")
+    prompt, n_markers = encode_with_images(prompt_text, tokenizer, cfg)
+    if n_markers != len(image_paths):
+        raise VisionDataError(f"{where}: the prompt has {n_markers} {IMAGE_MARKER} "
+                              f"placeholder(s) but {len(image_paths)} image(s) are given; "
+                              "put one marker where each image goes")
+    try:
+        images = processor.batch([base_dir / p for p in image_paths], where=where)
+    except ImageError as e:
+        raise VisionDataError(str(e)) from None
+    return prompt, images
+
+
 def jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """("file:line", record) for each non-blank line of a JSONL file of JSON objects."""
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
@@ -160,17 +179,8 @@ def read_vision_sft(path: str | Path, tokenizer: TextEncoder, processor: ImagePr
                                           f"'messages'); the record has fields {sorted(record)}")
             prompt_text, completion_text = record["prompt"], record["completion"]
             image_paths = record.get("images", [])
-        if not isinstance(image_paths, list):
-            raise VisionDataError(f"{where}: field 'images' must be a list of file paths")
-        prompt, n_markers = encode_with_images(prompt_text, tokenizer, cfg)
-        if n_markers != len(image_paths):
-            raise VisionDataError(f"{where}: the prompt has {n_markers} {IMAGE_MARKER} "
-                                  f"placeholder(s) but {len(image_paths)} image(s) are given; "
-                                  "put one marker where each image goes")
-        try:
-            images = processor.batch([path.parent / p for p in image_paths], where=where)
-        except ImageError as e:
-            raise VisionDataError(str(e)) from None
+        prompt, images = prompt_with_images(where, prompt_text, image_paths, path.parent,
+                                             tokenizer, processor, cfg)
         completion = tokenizer.encode(completion_text)
         tokens = np.asarray(prompt + completion, np.int32)
         loss_mask = np.zeros(len(tokens), bool)

@@ -18,18 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nonstop.models.image_processor import ImageError, ImageProcessor
+from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.multimodal import VLMConfig
 from nonstop.sft.losses import DPOConfig, dpo_loss, preference_pairs, sequence_logprobs
 from nonstop.sft.preference import zeroed_adapters
 from nonstop.sft.vision_data import (
-    IMAGE_MARKER,
     TextEncoder,
     VisionBatch,
     VisionDataError,
     VisionExample,
-    encode_with_images,
     jsonl_records,
+    prompt_with_images,
 )
 from nonstop.train.logprobs import token_logprobs
 from nonstop.train.step import LossFn
@@ -45,16 +44,8 @@ def read_vision_preference(path: str | Path, tokenizer: TextEncoder, processor: 
             if not isinstance(record.get(key), str):
                 raise VisionDataError(f"{where}: field {key!r} must be a string; the record has "
                                       f"fields {sorted(record)}")
-        image_paths = record.get("images", [])
-        prompt, n_markers = encode_with_images(record["prompt"], tokenizer, cfg)
-        if not isinstance(image_paths, list) or n_markers != len(image_paths):
-            raise VisionDataError(f"{where}: the prompt has {n_markers} {IMAGE_MARKER} "
-                                  f"placeholder(s) but 'images' is {image_paths!r}; give one "
-                                  "image path per marker")
-        try:
-            images = processor.batch([path.parent / p for p in image_paths], where=where)
-        except ImageError as e:
-            raise VisionDataError(str(e)) from None
+        prompt, images = prompt_with_images(where, record["prompt"], record.get("images", []),
+                                            path.parent, tokenizer, processor, cfg)
         tokens, mask, segments = [], [], []
         for seg, key in ((1, "chosen"), (2, "rejected")):
             response = tokenizer.encode(record[key])

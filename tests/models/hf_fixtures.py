@@ -49,6 +49,12 @@ def build_hf_model(family: str, directory: Path, *, seed: int = 0,
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, num_layers),
                                                           dtype=torch.float32)
+    return randomize_and_save(model, directory, seed=seed)
+
+
+def randomize_and_save(model: transformers.PreTrainedModel, directory: Path, *,
+                       seed: int = 0) -> transformers.PreTrainedModel:
+    """Every parameter random (vectors around 0.5, so norms are not near 0), then saved."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import transformers
 
+from tests.models.hf_fixtures import randomize_and_save
+
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 250, 251, 252
 TOKENS_PER_IMAGE = 4
 IMAGE_SIZE = 28
@@ -35,13 +37,7 @@ def build_hf_vlm(directory: Path, *, seed: int = 0) -> transformers.PreTrainedMo
     """A random model whose every parameter (norms and biases too) is random, saved to disk."""
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(hf_vlm_config()).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (0.5 if p.ndim == 1 else 0.0))
-    model.eval()
-    model.save_pretrained(directory)
-    return model
+    return randomize_and_save(model, directory, seed=seed)
 
 
 def image_prompt(text_before: list[int], num_images: int, text_after: list[int]) -> list[int]:
