@@ -158,7 +158,8 @@ def matmul_floor(model: nnx.Module, slots: int) -> float:
 
 
 def decode_step_time(engine: Engine, position: int) -> float:
-    """Seconds per decode step with every slot busy at `position` (the device call alone)."""
+    """Seconds per decode step with every slot busy at `position` (the device call alone,
+    attending over the cache prefix the scheduler would pick)."""
     device = engine._device
     S = engine.config.max_slots
     cache = device.new_cache()
@@ -173,7 +174,8 @@ def decode_step_time(engine: Engine, position: int) -> float:
     box = [cache]
 
     def step() -> None:
-        box[0], out = device.decode(state, box[0], tokens, positions, sampling)
+        box[0], out = device.decode(state, box[0], tokens, positions, sampling,
+                                    engine.config.attention_length(position))
         jax.block_until_ready(out)
 
     return _median_time(step)

@@ -5,6 +5,9 @@
   nothing. Only the last real row goes through the output head; its logits are sampled, so the
   final chunk of a prompt yields the first generated token.
 - `decode`: one token for every slot, int32[S]. Idle slots are parked at position max_len.
+  It attends over the cache's first `attend_len` positions, one compilation per length in
+  `EngineConfig.attention_lengths`: a step reads keys and values up to the longest live
+  sequence, not the whole cache (on CPU that read costs about as much as the matmuls).
 
 Both take the parameters as an argument (`nnx.split`: the graph definition is static, the
 weights are never baked in as constants, so a weight update never recompiles) and donate the
@@ -84,7 +87,8 @@ class DeviceSteps:
         self.traces: collections.Counter[str] = collections.Counter()
         # On a mesh, pin the cache's layout so a step never hands the next one a new sharding.
         pinned = {} if mesh is None else {"out_shardings": (self.cache_sharding, replicated(mesh))}
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), **pinned)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,),
+                               static_argnames=("attend_len",), **pinned)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,), **pinned)
         # Vision-language models: images are encoded once per request, and a prefill chunk that
         # holds image tokens takes their soft tokens row by row (see `prefill_images`).
@@ -103,11 +107,13 @@ class DeviceSteps:
         return jax.device_put(state, self.shardings, may_alias=not copy)
 
     def _decode_fn(self, state: nnx.State, cache: KVCache, tokens: Array, positions: Array,
-                   ) -> tuple[KVCache, Array]:
-        self.traces["decode"] += 1  # runs only while tracing
+                   attend_len: int) -> tuple[KVCache, Array]:
+        self.traces[f"decode_{attend_len}"] += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, state)
-        logits, cache = model(tokens[:, None], positions[:, None], cache=cache)
-        return cache, logits[:, 0]
+        h, cache = model.hidden_states(model.embed_tokens(tokens[:, None]), positions[:, None],
+                                       jnp.ones((tokens.shape[0], 1), jnp.int32), cache, None,
+                                       attend_len=attend_len)
+        return cache, model.logits(h)[:, 0]
 
     def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, start: Array,
                     length: Array, slot: Array) -> tuple[KVCache, Array]:
@@ -156,9 +162,14 @@ class DeviceSteps:
         return cache, _sample(logits, sampling)
 
     def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
-               positions: np.ndarray, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
-        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot."""
-        cache, logits = self._decode(state, cache, tokens, positions)
+               positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None
+               ) -> tuple[KVCache, StepOutput]:
+        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot.
+
+        `attend_len` (a compiled length; default the whole cache) must exceed every position
+        that matters this step."""
+        cache, logits = self._decode(state, cache, tokens, positions,
+                                     attend_len=attend_len or self.max_len)
         return cache, _sample(logits, sampling)
 
     def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, start: int,
@@ -168,13 +179,16 @@ class DeviceSteps:
                                       np.int32(slot))
         return cache, _sample(logits, sampling)
 
-    def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...]) -> KVCache:
-        """Compile decode and every prefill chunk size; writes nothing (all rows parked)."""
+    def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...],
+               attention_lengths: tuple[int, ...] = ()) -> KVCache:
+        """Compile decode for each attention length and prefill for each chunk size; writes
+        nothing (all rows parked)."""
         S = self.num_slots
         sampling = idle_sampling(S)
-        cache, out = self.decode(state, cache, np.zeros(S, np.int32),
-                                 np.full(S, self.max_len, np.int32), sampling)
-        jax.block_until_ready(out)
+        for length in attention_lengths or (self.max_len,):
+            cache, out = self.decode(state, cache, np.zeros(S, np.int32),
+                                     np.full(S, self.max_len, np.int32), sampling, length)
+            jax.block_until_ready(out)
         for C in chunk_sizes:
             cache, out = self.prefill(state, cache, np.zeros((1, C), np.int32), self.max_len, 0,
                                       0, idle_sampling(1))

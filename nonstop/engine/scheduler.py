@@ -183,7 +183,8 @@ class Scheduler(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes)
+            self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes,
+                                            self.config.attention_lengths)
         except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
             self.startup_error = error
             self.ready.set()
@@ -322,11 +323,13 @@ class Scheduler(threading.Thread):
             req = self.slot_req[slot]
             assert req is not None
             start = req.prefill_pos
-            n = min(len(req.prompt) - start, self.config.chunk_for(len(req.prompt) - start))
+            n, C = self.config.next_chunk(len(req.prompt) - start)
             image_id = self.device.image_token_id
-            if req.image_features is not None:
-                n = image_safe_length(req.prompt, start, n, image_id)
-            C = self.config.chunk_for(n)
+            if req.image_features is not None:  # largest chunks: an image run must fit whole
+                n = image_safe_length(req.prompt, start, min(len(req.prompt) - start,
+                                                             self.config.chunk_sizes[-1]),
+                                      image_id)
+                C = self.config.padded_size(n)
             chunk = np.zeros((1, C), np.int32)
             chunk[0, :n] = req.prompt[start:start + n]
             try:
@@ -365,13 +368,15 @@ class Scheduler(threading.Thread):
 
     def _decode_step(self) -> None:
         active = np.flatnonzero(self.decoding)
+        attend_len = self.config.attention_length(int(self.positions[active].max()))
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
         try:
             with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
                 with perf.device_busy(perf.ENGINE):
-                    self.cache, out = self.device.decode(self.state, self.cache, self.last_token,
-                                                         self.positions, self._sampling(slice(None)))
+                    self.cache, out = self.device.decode(
+                        self.state, self.cache, self.last_token, self.positions,
+                        self._sampling(slice(None)), attend_len)
                     out = jax.device_get(out)
         except Exception as error:  # noqa: BLE001
             self._device_failure(error)

@@ -87,10 +87,12 @@ class Decoder(nnx.Module):
 
     def hidden_states(self, x: Array, positions: Array, segment_ids: Array,
                       cache: KVCache | None, slots: Array | None,
-                      lookahead: Array | None = None) -> tuple[Array, KVCache | None]:
+                      lookahead: Array | None = None, attend_len: int | None = None
+                      ) -> tuple[Array, KVCache | None]:
         """Run the blocks and the final norm over input embeddings x [B, T, D].
 
-        `lookahead` int32[B, T]: extra following keys each query may see (see `Attention`)."""
+        `lookahead` int32[B, T]: extra following keys each query may see; `attend_len`: attend
+        over the cache's first positions only (both: see `Attention`)."""
         ropes: dict[LayerType, tuple[Array, Array]] = {
             t: rope_angles(positions, np.asarray(self._inv_freq[t], np.float32)) for t in set(self.cfg.layer_types)
         }
@@ -98,7 +100,7 @@ class Decoder(nnx.Module):
         for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
             x, layer_cache = block(x, ropes[block.layer_type], positions, segment_ids,
-                                   layer_cache, slots, lookahead)
+                                   layer_cache, slots, lookahead, attend_len)
             if layer_cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])

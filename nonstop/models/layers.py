@@ -8,7 +8,10 @@ may also be quantized or LoRA-wrapped (`quantize.py`, `lora.py`); `project` hide
 
 Attention reads either the current segment-packed sequence (training, full forward) or a KV
 cache laid out [S, K, L, H] (engine), in which case the new keys and values are written at
-their positions first and queries attend to cache positions <= their own.
+their positions first and queries attend to cache positions <= their own. `attend_len` (static)
+reads only the cache's first positions: the engine's decode passes the smallest bucket that
+holds every active row, so a step reads keys and values in proportion to the longest live
+sequence, not the cache's size.
 """
 
 from __future__ import annotations
@@ -109,10 +112,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
                  segment_ids: Array, cache: tuple[Array, Array] | None,
-                 slots: Array | None, lookahead: Array | None = None
+                 slots: Array | None, lookahead: Array | None = None,
+                 attend_len: int | None = None
                  ) -> tuple[Array, tuple[Array, Array] | None]:
         """`lookahead` int32[B, T] (default 0) lets a query also see that many following keys:
-        Gemma 3's image tokens see their whole image (bidirectional within the image)."""
+        Gemma 3's image tokens see their whole image (bidirectional within the image).
+        `attend_len`: with a cache, attend over its first `attend_len` positions only; every
+        row that matters must sit below it (rows parked at the cache's end see garbage)."""
         q, k, v = self._project(x, rope)
         B, T = positions.shape
         if cache is None:
@@ -134,7 +140,9 @@ class Attention(nnx.Module):
             v_cache = v_cache.at[rows[:, None], :, positions, :].set(
                 v.astype(v_cache.dtype), mode="drop")
             keys, values = (k_cache, v_cache) if slots is None else (k_cache[slots], v_cache[slots])
-            cache_pos = jnp.arange(L)
+            if attend_len is not None and attend_len < L:
+                keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
+            cache_pos = jnp.arange(keys.shape[2])
             limit = positions if lookahead is None else positions + lookahead
             allowed = cache_pos[None, None, :] <= limit[:, :, None]
             if self.window is not None:
@@ -185,10 +193,11 @@ class Block(nnx.Module):
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
                  segment_ids: Array, cache: tuple[Array, Array] | None,
-                 slots: Array | None, lookahead: Array | None = None
+                 slots: Array | None, lookahead: Array | None = None,
+                 attend_len: int | None = None
                  ) -> tuple[Array, tuple[Array, Array] | None]:
         h, cache = self.attn(self.input_norm(x), rope, positions, segment_ids, cache, slots,
-                             lookahead)
+                             lookahead, attend_len)
         if self.post_norms:
             h = self.post_attn_norm(h)
         x = x + h

@@ -187,9 +187,10 @@ class Gemma3VLM(nnx.Module):
 
     def hidden_states(self, x: Array, positions: Array, segment_ids: Array,
                       cache: KVCache | None, slots: Array | None,
-                      lookahead: Array | None = None) -> tuple[Array, KVCache | None]:
+                      lookahead: Array | None = None, attend_len: int | None = None
+                      ) -> tuple[Array, KVCache | None]:
         return self.language_model.hidden_states(x, positions, segment_ids, cache, slots,
-                                                 lookahead)
+                                                 lookahead, attend_len)
 
     def logits(self, h: Array) -> Array:
         return self.language_model.logits(h)
