@@ -107,8 +107,10 @@ class DeviceSteps:
         return jax.device_put(state, self.shardings, may_alias=not copy)
 
     def _decode_fn(self, state: nnx.State, cache: KVCache, tokens: Array, positions: Array,
-                   attend_len: int) -> tuple[KVCache, Array]:
+                   previous: Array, from_previous: Array, attend_len: int
+                   ) -> tuple[KVCache, Array]:
         self.traces[f"decode_{attend_len}"] += 1  # runs only while tracing
+        tokens = jnp.where(from_previous, previous, tokens)
         model = nnx.merge(self.graphdef, state)
         h, cache = model.hidden_states(model.embed_tokens(tokens[:, None]), positions[:, None],
                                        jnp.ones((tokens.shape[0], 1), jnp.int32), cache, None,
@@ -162,13 +164,20 @@ class DeviceSteps:
         return cache, _sample(logits, sampling)
 
     def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
-               positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None
+               positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None,
+               previous: Array | None = None, from_previous: np.ndarray | None = None
                ) -> tuple[KVCache, StepOutput]:
         """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot.
 
         `attend_len` (a compiled length; default the whole cache) must exceed every position
-        that matters this step."""
-        cache, logits = self._decode(state, cache, tokens, positions,
+        that matters this step. Rows where `from_previous` is true are fed `previous` instead
+        (the device tokens of the step before, so it need not be read back first)."""
+        S = self.num_slots
+        if previous is None:
+            previous = self._no_previous
+        if from_previous is None:
+            from_previous = np.zeros(S, bool)
+        cache, logits = self._decode(state, cache, tokens, positions, previous, from_previous,
                                      attend_len=attend_len or self.max_len)
         return cache, _sample(logits, sampling)
 
@@ -185,7 +194,15 @@ class DeviceSteps:
         nothing (all rows parked)."""
         S = self.num_slots
         sampling = idle_sampling(S)
-        for length in attention_lengths or (self.max_len,):
+        lengths = attention_lengths or (self.max_len,)
+        # Sampled tokens come back committed to the logits' device(s): the stand-in for "no
+        # previous step" must be placed the same way, or jit would compile a second variant.
+        cache, out = self._decode(state, cache, np.zeros(S, np.int32),
+                                  np.full(S, self.max_len, np.int32), np.zeros(S, np.int32),
+                                  np.zeros(S, bool), attend_len=lengths[-1])
+        self._no_previous = jax.device_put(np.zeros(S, np.int32),
+                                           _sample(out, sampling).tokens.sharding)
+        for length in lengths:
             cache, out = self.decode(state, cache, np.zeros(S, np.int32),
                                      np.full(S, self.max_len, np.int32), sampling, length)
             jax.block_until_ready(out)

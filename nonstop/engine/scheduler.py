@@ -2,10 +2,13 @@
 
 Each iteration the thread (1) drains its inbox (new requests, cancellations, closed sessions,
 weight updates), (2) admits waiting requests into slots in arrival order, (3) prefills chunks
-(first come, first served, up to `prefill_budget` tokens while others decode) and (4) runs one
-decode step over all slots. Everything per-slot the device needs lives in small numpy arrays
-updated in place, so a step costs one host-to-device copy of a few int/float[S] arrays and one
-copy back of the sampled tokens and logprobs.
+(first come, first served, up to `prefill_budget` tokens while others decode) and (4) launches
+one decode step over all slots, then handles the *previous* step's tokens while the device
+computes this one. The step after a token is fed that token straight from the device (slots
+fresh from prefill take theirs from the host), so the host's bookkeeping (stop checks, emitting,
+waking callers) never leaves the device idle. A request that stops at step N has already been
+given step N + 1; that token is dropped. Everything else per slot lives in small numpy arrays,
+copied to the device with each step.
 
 A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
 `slot_tokens[s]` is the exact list of token ids whose keys and values are valid in slot s, so a
@@ -32,7 +35,7 @@ from flax import nnx
 
 from nonstop import perf
 from nonstop.engine.config import EngineConfig
-from nonstop.engine.device import DeviceSteps, SamplingArrays
+from nonstop.engine.device import DeviceSteps, SamplingArrays, StepOutput
 from nonstop.engine.images import image_chunk, image_safe_length
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
 
@@ -106,12 +109,24 @@ class Request:
     sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
+    epoch: int = 0  # bumped by restart(): decode steps launched before it are dropped
 
     def restart(self) -> None:
+        self.epoch += 1
         self.slot, self.prefill_pos, self.num_cached, self.num_prefilled = -1, 0, 0, 0
         self.first_token_at = None
         for seq in (self.tokens, self.logprobs, self.sampling_logprobs, self.versions):
             seq.clear()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchedStep:
+    """A decode step on the device whose tokens the host has not read yet."""
+
+    out: StepOutput  # device arrays
+    rows: tuple[tuple[int, Request, int], ...]  # (slot, request, request epoch) fed this step
+    version: int  # the policy version of the weights it runs on
+    launched_ns: int
 
 
 @dataclasses.dataclass
@@ -157,6 +172,10 @@ class Scheduler(threading.Thread):
         self.slot_tokens: list[list[int]] = [[] for _ in range(S)]
         self.prefilling: collections.deque[int] = collections.deque()
         self.decoding = np.zeros(S, bool)
+        self.fresh = np.zeros(S, bool)  # next input token comes from the host (after prefill)
+        self.launched: LaunchedStep | None = None
+        self._device_free_ns = 0  # when the last decode step read back was known to be done
+        self._seen_running_ns: int | None = None  # when the launched step was last seen running
         self.positions = np.full(S, L, np.int32)
         self.last_token = np.zeros(S, np.int32)
         self.temperature = np.zeros(S, np.float32)
@@ -194,15 +213,15 @@ class Scheduler(threading.Thread):
         self.ready.set()
         try:
             while True:
-                idle = not self.waiting and not self.prefilling and not self.decoding.any()
+                idle = (not self.waiting and not self.prefilling and not self.decoding.any()
+                        and self.launched is None)
                 self._drain(block=idle)
                 if self._stopping:
                     break
                 self._admit()
                 if self.prefilling:
                     self._prefill_some()
-                if self.decoding.any():
-                    self._decode_step()
+                self._decode_step()
         finally:
             with self._cv:
                 self._stopping = True
@@ -362,48 +381,90 @@ class Scheduler(threading.Thread):
             token = int(out.tokens[0])
             self.last_token[slot], self.steps[slot] = token, 1
             self.positions[slot] = len(req.prompt)
-            self.decoding[slot] = True
+            self.decoding[slot] = self.fresh[slot] = True
             perf.count(perf.ENGINE_TOKENS, 1)
-            self._emit(req, token, float(out.logprobs[0]), float(out.sampling_logprobs[0]))
+            self._emit(req, token, float(out.logprobs[0]), float(out.sampling_logprobs[0]),
+                       self.version)
 
     def _decode_step(self) -> None:
+        """Launch a decode step over the decoding slots (if any), then read back and hand out
+        the tokens of the step launched before it."""
+        previous, self.launched = self.launched, None
+        seen_running_ns, self._seen_running_ns = self._seen_running_ns, None
         active = np.flatnonzero(self.decoding)
+        with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
+            if len(active):
+                try:
+                    self.launched = self._launch(active, previous)
+                except Exception as error:  # noqa: BLE001 - the device step failed
+                    self._device_failure(error)
+                    return
+            if previous is not None:
+                self._read_back(previous, seen_running_ns)
+
+    def _launch(self, active: np.ndarray, previous: LaunchedStep | None) -> LaunchedStep:
         attend_len = self.config.attention_length(int(self.positions[active].max()))
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
+        # A slot that was in the previous step (and not fresh from prefill since) is fed the
+        # token that step sampled, without waiting for the host to read it.
+        from_device = ~self.fresh if previous is not None else np.zeros(self.S, bool)
+        # Copies: the host arrays change while the device may still be reading its inputs.
+        launched_ns = time.perf_counter_ns()
+        self.cache, out = self.device.decode(
+            self.state, self.cache, self.last_token.copy(), self.positions.copy(),
+            SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
+            previous.out.tokens if previous is not None else None, from_device)
+        self.counters.decode_steps += 1
+        self.fresh[active] = False
+        self.positions[active] += 1
+        self.steps[active] += 1
+        rows = tuple((int(s), self.slot_req[s], self.slot_req[s].epoch) for s in active)
+        return LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
+
+    def _read_back(self, step: LaunchedStep, seen_running_ns: int | None) -> None:
+        waiting_ns = time.perf_counter_ns()
+        was_running = not step.out.tokens.is_ready()
         try:
-            with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
-                with perf.device_busy(perf.ENGINE):
-                    self.cache, out = self.device.decode(
-                        self.state, self.cache, self.last_token, self.positions,
-                        self._sampling(slice(None)), attend_len)
-                    out = jax.device_get(out)
+            out = jax.device_get(step.out)
         except Exception as error:  # noqa: BLE001
             self._device_failure(error)
             return
-        self.counters.decode_steps += 1
-        perf.count(perf.ENGINE_TOKENS, len(active))
-        fed = self.last_token.copy()
-        self.positions[active] += 1
-        self.steps[active] += 1
-        self.last_token[active] = out.tokens[active]
-        for s in active:
-            req = self.slot_req[s]
-            assert req is not None
-            self.slot_tokens[s].append(int(fed[s]))
-            self._emit(req, int(out.tokens[s]), float(out.logprobs[s]),
-                       float(out.sampling_logprobs[s]))
+        # The device's busy interval for this step, counted conservatively: from when it could
+        # start (launched, and the step before done) to when it was seen to finish; if it had
+        # finished before the host looked, only up to when the host last saw it still running.
+        if was_running:
+            done_ns = time.perf_counter_ns()
+        else:
+            done_ns = seen_running_ns if seen_running_ns is not None else 0
+        start_ns = max(step.launched_ns, self._device_free_ns)
+        perf.device_busy_interval(perf.ENGINE, start_ns, done_ns)
+        self._device_free_ns = max(done_ns, start_ns)
+        emitted = 0
+        for s, req, epoch in step.rows:
+            if req.done or req.epoch != epoch or self.slot_req[s] is not req:
+                continue  # finished, cancelled or restarted since this step was launched
+            self.slot_tokens[s].append(req.tokens[-1])  # the token this step was fed
+            token = int(out.tokens[s])
+            self.last_token[s] = token
+            emitted += 1
+            self._emit(req, token, float(out.logprobs[s]), float(out.sampling_logprobs[s]),
+                       step.version)
+        perf.count(perf.ENGINE_TOKENS, emitted)
+        if self.launched is not None and not self.launched.out.tokens.is_ready():
+            self._seen_running_ns = time.perf_counter_ns()
 
     # ---------------------------------------------------------------- per-request bookkeeping
 
-    def _emit(self, req: Request, token: int, logprob: float, sampling_logprob: float) -> None:
-        """Record a sampled token and finish the request if it stops here."""
+    def _emit(self, req: Request, token: int, logprob: float, sampling_logprob: float,
+              version: int) -> None:
+        """Record a token sampled by weights `version`; finish the request if it stops here."""
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         req.tokens.append(token)
         req.logprobs.append(logprob)
         req.sampling_logprobs.append(sampling_logprob)
-        req.versions.append(self.version)
+        req.versions.append(version)
         self.counters.generated_tokens += 1
         try:
             reason, why = self._finish_reason(req, token)
@@ -491,6 +552,7 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):
             if owner is not None:
                 self._drop_session_cache(owner)
+        self.launched = None
         self.cache = self.device.new_cache()  # the old one may have been donated
 
     def _abort_all(self, error: BaseException | None) -> None:

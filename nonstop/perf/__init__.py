@@ -48,7 +48,15 @@ from nonstop.perf.report import (
     build_report,
 )
 from nonstop.perf.scalars import read_metrics
-from nonstop.perf.spans import Span, count, current_span_id, device_busy, gauge, span
+from nonstop.perf.spans import (
+    Span,
+    count,
+    current_span_id,
+    device_busy,
+    device_busy_interval,
+    gauge,
+    span,
+)
 from nonstop.perf.stages import (
     DEVICE_BUSY,
     ENGINE,
@@ -151,6 +159,7 @@ __all__ = [
     "current",
     "current_span_id",
     "device_busy",
+    "device_busy_interval",
     "finish_run",
     "gauge",
     "gauge_stats",
