@@ -423,7 +423,6 @@ class Scheduler(threading.Thread):
         return LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
 
     def _read_back(self, step: LaunchedStep, seen_running_ns: int | None) -> None:
-        waiting_ns = time.perf_counter_ns()
         was_running = not step.out.tokens.is_ready()
         try:
             out = jax.device_get(step.out)
