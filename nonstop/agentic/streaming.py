@@ -31,6 +31,15 @@ group-id order, so the streaming learner takes exactly the synchronous learner's
 
 **Sync.** Start the step's groups, wait for all of them (replacing groups the queue dropped),
 train, push the weights, repeat: the barrier most RL libraries have.
+
+**Several processes** (`jax.distributed`, a trainer on the global mesh): every process runs
+this learner with its own engine, orchestrator and queue on its own share of each step's groups:
+with N processes and B = `groups_per_step`, process p rolls out groups kB + p(B/N) ... kB +
+(p+1)(B/N) - 1 at step k (the same group ids, hence the same seeds, as one process gives them),
+and `PolicyTrainer.train` steps on the global batch (each process's trajectories are its rows).
+Every process takes each step together (the train step is a collective), gathers the new weights
+and hands them to its own engine. Staleness is bounded per process by the same rule, with B/N
+groups per step. Reward means in the step records are over all processes.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import numpy as np
+import jax
 
 from nonstop import perf
 from nonstop.agentic.config import LearnerConfig
@@ -49,6 +58,15 @@ from nonstop.agentic.group_queue import GroupQueue, ScoredGroup
 from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
 from nonstop.engine import Engine
 from nonstop.rl.policy_trainer import PolicyTrainer
+from nonstop.train import distributed
+
+
+def process_group_ids(groups_per_step: int, processes: int, rank: int) -> Iterator[int]:
+    """Process `rank`'s group ids: its contiguous block of each step's `groups_per_step` ids."""
+    share = groups_per_step // processes
+    for step in itertools.count():
+        start = step * groups_per_step + rank * share
+        yield from range(start, start + share)
 
 
 class StalenessGate:
@@ -132,7 +150,18 @@ class _Learner:
         self.trainer = trainer
         self.engine = engine
         self.make_interaction = make_interaction
-        self.config = config or LearnerConfig()
+        config = config or LearnerConfig()
+        self.processes, self.rank = jax.process_count(), jax.process_index()
+        if config.groups_per_step % self.processes:
+            raise ValueError(f"LearnerConfig.groups_per_step={config.groups_per_step} must be "
+                             f"a multiple of the {self.processes} processes (each rolls out an "
+                             "equal share of every step's groups)")
+        self.global_config = config
+        # This process's share of each step: the config every local part (gate, queue) uses.
+        capacity = config.queue_capacity
+        self.config = dataclasses.replace(
+            config, groups_per_step=config.groups_per_step // self.processes,
+            queue_capacity=None if capacity is None else -(-capacity // self.processes))
         self.version = engine.policy_version
         self._base = self.version  # version at the start of run(): sync_every counts from it
         self.records: list[StepRecord] = []
@@ -151,6 +180,10 @@ class _Learner:
             perf.gauge(perf.TRAIN_STALENESS, lag, episode=t.episode_id, step=k)
         t0 = time.perf_counter()
         metrics = await asyncio.to_thread(self.trainer.train, trajectories)
+        totals = [sum(t.reward for t in trajectories), len(trajectories)]
+        if self.processes > 1:  # a collective: off the event loop
+            totals = await asyncio.to_thread(distributed.sum_over_processes, totals)
+        reward_sum, count = totals
         train_s = time.perf_counter() - t0
         self.version += 1
         published, sync_s = None, 0.0
@@ -161,14 +194,22 @@ class _Learner:
             sync_s, published = time.perf_counter() - t1, self.version
         record = StepRecord(version=k, group_ids=tuple(g.group_id for g in groups),
                             metrics=metrics, staleness=staleness,
-                            reward_mean=float(np.mean([t.reward for t in trajectories])),
+                            reward_mean=float(reward_sum / max(count, 1)),
                             data_wait_s=data_wait_s, train_s=train_s, sync_s=sync_s,
                             published=published)
         self.records.append(record)
         return record
 
     def _push(self, version: int) -> None:
-        self.engine.update_weights(self.trainer.policy_params(), version)
+        params = self.trainer.policy_params()
+        if self.processes > 1:  # the trainer's arrays span every host; the engine is local
+            params = distributed.fetch(params)
+        self.engine.update_weights(params, version)
+
+    def _group_ids(self, group_ids: Iterable[int] | None) -> Iterator[int]:
+        if group_ids is not None:
+            return iter(group_ids)
+        return process_group_ids(self.global_config.groups_per_step, self.processes, self.rank)
 
     def _start_run(self) -> None:
         self._base = self.version
@@ -179,7 +220,8 @@ class StreamingLearner(_Learner):
 
     async def run(self, num_steps: int, group_ids: Iterable[int] | None = None
                   ) -> list[StepRecord]:
-        """Take `num_steps` learner steps on groups drawn from `group_ids` (default 0, 1, ...)."""
+        """Take `num_steps` learner steps on groups drawn from `group_ids` (default 0, 1, ...;
+        with several processes, this process's share: `process_group_ids`)."""
         self._start_run()
         cfg = self.config
         gate = StalenessGate(groups_per_step=cfg.groups_per_step,
@@ -188,7 +230,7 @@ class StreamingLearner(_Learner):
         queue = self.queue = self._new_queue(on_drop=gate.release)
         orchestrator = self.orchestrator = RolloutOrchestrator(
             self.engine, self.make_interaction, cfg.orchestrator, queue=queue, admission=gate)
-        ids: Iterator[int] = iter(group_ids if group_ids is not None else itertools.count())
+        ids = self._group_ids(group_ids)
         producer = asyncio.create_task(orchestrator.run(ids), name="rollout-producer")
         out = []
         try:
@@ -239,7 +281,7 @@ class SyncLearner(_Learner):
         queue = self.queue = self._new_queue()
         orchestrator = self.orchestrator = RolloutOrchestrator(
             self.engine, self.make_interaction, cfg.orchestrator, queue=queue)
-        ids: Iterator[int] = iter(group_ids if group_ids is not None else itertools.count())
+        ids = self._group_ids(group_ids)
         B = cfg.groups_per_step
         out = []
         try:

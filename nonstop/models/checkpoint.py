@@ -100,7 +100,7 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
             if copied:  # the mapped pages are no longer needed: drop them before the device copy
                 reader.release(spec.hf_name)
             if mesh is None:
-                sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             else:
                 sharding = NamedSharding(mesh, rules.spec(var.logical_axes, host.shape, mesh))
             array = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
 import numpy as np
 import yaml
 from tqdm import tqdm
@@ -44,15 +45,21 @@ from nonstop.agentic.ray_backend import RayEnvConfig, RayEnvironmentPool, import
 from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ChatInteraction
 from nonstop.engine import Engine
+from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
 from nonstop.models.lora import LoRAConfig, apply_lora
 from nonstop.perf import busy_fraction, read_events
 from nonstop.recipes.config_io import dump_config
-from nonstop.recipes.rl_recipe import EngineSettings, build_model, build_tokenizer
+from nonstop.recipes.rl_recipe import (
+    EngineSettings,
+    build_model,
+    build_tokenizer,
+    multi_host_mesh,
+)
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.sft.config import ModelSource, TokenizerSource
-from nonstop.train import OptimizerConfig, PackingConfig
+from nonstop.train import OptimizerConfig, PackingConfig, distributed
 
 EnvName = Literal["calculator", "gridworld"]
 EnvBackend = Literal["local", "ray"]
@@ -162,15 +169,21 @@ def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, temperature: float
 
 async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
                      new_env: Callable[[], Environment] | None = None) -> float:
-    """Mean reward of greedy episodes on held-out tasks."""
+    """Mean reward of greedy episodes on held-out tasks (with several processes, each runs a
+    block of the tasks on its own engine and the mean is over all of them)."""
     orchestrator = RolloutOrchestrator(
         engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET, new_env),
         OrchestratorConfig(group_size=1, max_concurrency=cfg.max_concurrency,
                            agent=agent_config(cfg, tokenizer, 0.0)))
+    tasks = np.array_split(np.arange(cfg.num_eval), jax.process_count())[jax.process_index()]
     with perf.span(perf.TRAIN_EVAL):
-        groups = await orchestrator.run_groups(range(cfg.num_eval))
+        groups = await orchestrator.run_groups([int(i) for i in tasks])
     await orchestrator.close()
-    return float(np.mean([t.reward or 0.0 for g in groups.values() for t in g]))
+    rewards = [t.reward or 0.0 for g in groups.values() for t in g]
+    if jax.process_count() > 1:  # a collective: off the event loop
+        total = await asyncio.to_thread(distributed.sum_over_processes, [sum(rewards)])
+        return float(total[0] / cfg.num_eval)
+    return float(np.mean(rewards))
 
 
 async def train_with_progress(learner: StreamingLearner | SyncLearner, steps: int,
@@ -204,19 +217,28 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     Records into `RUN_DIR/perf` unless a perf run is already active (then the caller owns it and
     `engine_busy_fraction` is None: compute it with `engine_busy_during` once that run ends).
     """
+    # Under `jax.distributed` (NONSTOP_COORDINATOR_ADDRESS etc., see docs/scaling.md) every
+    # process runs this with its own engine and environments on its share of each step's
+    # groups; the trainer steps on the global batch; process 0 writes the shared files.
+    distributed.initialize(distributed.DistributedConfig.from_env())
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    own_dir = Path(distributed.process_run_dir(str(run_dir)))
+    own_dir.mkdir(parents=True, exist_ok=True)
+    if distributed.is_main_process():
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     started = time.perf_counter()
     owns_perf = perf.active_run_dir() is None
-    with perf.run(run_dir / "perf") if owns_perf else contextlib.nullcontext():
+    processes = jax.process_count()
+    with perf.run(own_dir / "perf") if owns_perf else contextlib.nullcontext():
         model = model if model is not None else build_model(cfg.model, tokenizer, seed=cfg.seed)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
         trainer = PolicyTrainer(model, PolicyTrainerConfig(
             algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
-            lora_only=cfg.lora is not None, seed=cfg.seed))
+            lora_only=cfg.lora is not None, seed=cfg.seed),
+            mesh=multi_host_mesh(PlacementConfig()) if processes > 1 else None)
         learner_cfg = LearnerConfig(
             groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
             sync_every=cfg.sync_every,
@@ -224,7 +246,10 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                                             max_concurrency=cfg.max_concurrency, seed=cfg.seed,
                                             agent=agent_config(cfg, tokenizer, 1.0)))
         learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
-        with Engine(trainer.model(), max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
+        # Several processes: each host's engine holds a local copy of the initial model (the
+        # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
+        engine_model = trainer.model() if processes == 1 else model
+        with Engine(engine_model, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
             learner = learner_cls(trainer, engine,
@@ -235,7 +260,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                 records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
             rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
-    with (run_dir / "metrics.jsonl").open("a") as f:
+    with (own_dir / "metrics.jsonl").open("a") as f:
         for r in records:
             f.write(json.dumps({"step": r.version + 1, "reward_mean": r.reward_mean,
                                 "max_staleness": max(r.staleness, default=0),
@@ -244,7 +269,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     return {"solve_rate_before": before, "solve_rate_after": after, "steps": len(records),
             "train_reward_first": records[0].reward_mean if records else None,
             "train_reward_last": records[-1].reward_mean if records else None,
-            "engine_busy_fraction": engine_busy_during(run_dir / "perf") if owns_perf else None,
+            "engine_busy_fraction": engine_busy_during(own_dir / "perf") if owns_perf else None,
             "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
             "run_dir": str(run_dir)}
 

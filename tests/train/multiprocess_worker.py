@@ -8,6 +8,8 @@ Both layouts take the same steps on the same global batches, so their parameters
 - SFT: `nonstop.sft.trainer.train` for 2 steps (checkpointing every step), then again to step 4,
   which restores the step-2 checkpoint collectively and resumes the data iterator; the final
   parameters and the export are written by process 0.
+- `nonstop rl` and `nonstop agentic` (streaming learner, max_staleness 0) end to end: each
+  process rolls out its share of every step's prompts/groups on its own engine.
 - GRPO: `PolicyTrainer(mesh=global_mesh)` (with its KL to the reference policy) trains on fixed
   trajectories with SGD with momentum. The step's trajectories are two shards, each packing into
   2 rows; with two processes each passes only its own shard to `train()` (its rows of the global
@@ -49,6 +51,7 @@ def main() -> None:
     run_sft(args.out)
     run_grpo(args.out)
     run_rl_recipe(args.out)
+    run_agentic_recipe(args.out)
     distributed.barrier("worker done")
 
 
@@ -162,6 +165,34 @@ def run_rl_recipe(out: str) -> None:
         f"packing.rows_per_batch={4 // processes}", "optimizer.name=sgd",
         "optimizer.learning_rate=0.3", "checkpoint.save_every=100"])
     run_rl(cfg, progress=False)
+
+
+def run_agentic_recipe(out: str) -> None:
+    """`nonstop agentic` end to end from the calculator SFT fixture: 4 groups x 4 episodes per
+    step with the streaming learner at max_staleness 0; with two processes each runs 2 groups
+    on its own engine and environments and packs them into its 8 rows of the global batch."""
+    import dataclasses
+
+    import jax
+
+    from nonstop.models import load_pretrained
+    from nonstop.recipes.agentic_recipe import run_agentic
+    from nonstop.recipes.demo import DemoConfig
+    from nonstop.train import OptimizerConfig, PackingConfig
+
+    processes = jax.process_count()
+    demo = DemoConfig(run_dir=os.path.join(out, "agentic_demo"), rl_steps=2, max_staleness=0,
+                      progress=False)
+    cfg = dataclasses.replace(
+        demo.agentic(), run_dir=os.path.join(out, "agentic"), learner="streaming",
+        groups_per_step=4, group_size=4, num_eval=4, max_concurrency=16,
+        optimizer=OptimizerConfig(name="sgd", learning_rate=0.05, schedule="constant",
+                                  weight_decay=0.0),
+        packing=PackingConfig(buckets=(320,), rows_per_batch=16 // processes,
+                              max_segments_per_row=2, overlong="truncate"))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_slots=16))
+    run_agentic(cfg, model=load_pretrained(os.path.join(REPO_ROOT, "tests", "fixtures",
+                                                        "calculator_sft")), progress=False)
 
 
 if __name__ == "__main__":

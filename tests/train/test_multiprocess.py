@@ -1,6 +1,7 @@
 """Two processes under `jax.distributed` (localhost, gloo CPU collectives, 2 devices each) take the
 same SFT and GRPO steps as one process on 4 devices: same global mesh shape, same global batches;
-and `nonstop rl` run as two processes follows the one-process run's reward and loss curve.
+and `nonstop rl` and `nonstop agentic` run as two processes follow the one-process runs' reward
+and loss curves.
 
 The worker (`tests/train/multiprocess_worker.py`) runs `nonstop.sft.trainer.train` with a
 collective Orbax checkpoint and resume, then GRPO steps with per-process trajectory shards.
@@ -119,6 +120,19 @@ def test_rl_recipe_two_processes_equal_one(runs):
     assert len(curves[0]) == 2
     np.testing.assert_allclose(curves[0], curves[1], rtol=0, atol=TOLERANCE)
     assert os.path.exists(os.path.join(runs[1], "rl", "process_1", "metrics.jsonl"))
+
+
+def test_agentic_recipe_two_processes_equal_one(runs):
+    # Each process ran its block of every step's groups (the single process's group ids and
+    # seeds) on its own engine and environments; the trainer stepped on the global batch.
+    curves = []
+    for out in runs:
+        lines = [json.loads(x) for x in open(os.path.join(out, "agentic", "metrics.jsonl"))]
+        curves.append([(x["reward_mean"], x["loss"]) for x in lines])
+    assert len(curves[0]) == 2
+    assert curves[0][0][1] != 0.0  # the groups' rewards differed: the step had a gradient
+    np.testing.assert_allclose(curves[0], curves[1], rtol=0, atol=TOLERANCE)
+    assert os.path.exists(os.path.join(runs[1], "agentic", "process_1", "metrics.jsonl"))
 
 
 def test_distributed_config_from_env():
