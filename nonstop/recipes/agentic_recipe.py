@@ -27,6 +27,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 import yaml
+from flax import nnx
 from tqdm import tqdm
 
 from nonstop import perf
@@ -48,7 +49,8 @@ from nonstop.engine import Engine
 from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
-from nonstop.models.lora import LoRAConfig, apply_lora
+from nonstop.models.checkpoint import save_pretrained
+from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
 from nonstop.perf import busy_fraction, read_events
 from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.rl_recipe import (
@@ -64,7 +66,8 @@ from nonstop.train import OptimizerConfig, PackingConfig, distributed
 EnvName = Literal["calculator", "gridworld"]
 EnvBackend = Literal["local", "ray"]
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from seeds training never draws
-RL_PHASE = "main/agentic_rl"  # the span around the learner's run, for figures over RL alone
+RL_PHASE = "main/agentic_rl"
+FINAL_MODEL_DIR = "final_model"  # the trained policy, RUN_DIR/final_model  # the span around the learner's run, for figures over RL alone
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -260,6 +263,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                 records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
             rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
+        final_dir = save_final_model(trainer, model, run_dir / FINAL_MODEL_DIR)
     with (own_dir / "metrics.jsonl").open("a") as f:
         for r in records:
             f.write(json.dumps({"step": r.version + 1, "reward_mean": r.reward_mean,
@@ -271,7 +275,22 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             "train_reward_last": records[-1].reward_mean if records else None,
             "engine_busy_fraction": engine_busy_during(own_dir / "perf") if owns_perf else None,
             "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "final_model": str(final_dir)}
+
+
+def save_final_model(trainer: PolicyTrainer, local_model: nnx.Module, directory: Path) -> Path:
+    """The trained policy as a Hugging Face checkpoint (adapters merged), written by process 0.
+
+    With several processes the trainer's arrays span every host: they are gathered (a
+    collective) into `local_model`, this process's copy of the initial model, first."""
+    final = trainer.model()
+    if jax.process_count() > 1:
+        nnx.update(local_model, distributed.fetch(nnx.state(final)))
+        final = local_model
+    if distributed.is_main_process():
+        save_pretrained(merge_lora(final) if has_lora(final) else final, directory)
+    distributed.barrier("agentic final model")
+    return directory
 
 
 __all__ = ["RL_PHASE", "AgenticRunConfig", "EnvSettings", "engine_busy_during", "env_backend",
