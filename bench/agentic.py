@@ -175,8 +175,9 @@ def main() -> None:
     sync_batch = args.sync_batch or slots
     cfg = model_config(args.size)
     max_len = PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
+    # Attention buckets on: throughput over bit-exact batch invariance (see EngineConfig).
     engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
-                    prefill_chunks=(16, 64)).start()
+                    prefill_chunks=(16, 64), decode_buckets=4).start()
     vocab = cfg.vocab_size
     seconds = 6.0 if args.quick else 20.0  # target wall time per async configuration
 
@@ -188,7 +189,8 @@ def main() -> None:
                                               vocab, no_wait), 4 * slots)
     limit_rate = probe["episodes_per_s"]
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
-    print(f"model {args.size}: slots={slots} max_len={max_len} sync_batch={sync_batch} "
+    print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
+          f"sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "

@@ -14,6 +14,7 @@ slots busy) against its matmul-only floor (the same step's projections, MLPs and
 attention, no cache, no sampling). Medians over --repeats; compiles after warm-up are counted.
 
     python -m bench.engine [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
+                           [--decode-buckets 4]
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--decode-buckets", type=int, default=4,
+                        help="EngineConfig.decode_buckets (1: batch-invariant, the default)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads for the baseline (default: torch's own)")
     args = parser.parse_args()
@@ -227,7 +230,8 @@ def main() -> None:
         lambda event, duration, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
     engine = Engine(ours, max_slots=args.slots, max_len=work.max_len,
-                    prefill_chunks=(16, 64, 256), prefill_budget=256)
+                    prefill_chunks=(16, 64, 256), prefill_budget=256,
+                    decode_buckets=args.decode_buckets)
     t = time.perf_counter()
     engine.start()
     print(f"engine warm-up (compilation) {time.perf_counter() - t:.1f}s; "

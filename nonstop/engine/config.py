@@ -31,7 +31,12 @@ class EngineConfig:
     decode_buckets: the decode step is compiled for attention over the first 1/n, 2/n, ... n/n
     of the cache (rounded up to multiples of 16; one compilation each), and each step takes the
     smallest that holds every decoding slot, so short sequences do not pay for reading the
-    whole cache. 1: always the whole cache.
+    whole cache. 1 (the default): always the whole cache, which makes every request's logits
+    bit for bit independent of what else is batched with it, so runs reproduce exactly
+    whatever the timing. With n > 1 the bucket depends on the other live sequences, and so
+    does the float summation order (logprobs move at the 1e-7 level); decode is faster while
+    sequences are short (on CPU, 32 slots: 17 ms a step over a quarter of a 512 cache
+    against 24 ms over all of it).
     cache_dtype: the KV cache's dtype; None: the model's compute dtype.
     on_weight_update: "continue" keeps in-flight sequences going on the new weights (each token
     records its policy version); "abort" restarts them on the new weights.
@@ -42,7 +47,7 @@ class EngineConfig:
     max_len: int = 1024
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
     prefill_budget: int = 256
-    decode_buckets: int = 4
+    decode_buckets: int = 1
     cache_dtype: CacheDtype | None = None
     on_weight_update: WeightUpdateMode = "continue"
     seed: int = 0

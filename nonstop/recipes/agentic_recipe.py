@@ -253,6 +253,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
         with Engine(engine_model, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
+                    decode_buckets=cfg.engine.decode_buckets,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
             learner = learner_cls(trainer, engine,

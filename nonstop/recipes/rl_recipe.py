@@ -72,8 +72,12 @@ class TaskSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSettings:
+    """The rollout engine's size; `decode_buckets` > 1 trades bit-exact reproducibility for
+    faster decode of short sequences (see `EngineConfig`)."""
+
     max_slots: int = 64
     max_len: int = 64
+    decode_buckets: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -284,7 +288,8 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
         # every host); it starts from the initial model and takes the trainer's weights.
         engine_model = trainer.model() if processes == 1 else model
         with Engine(engine_model, max_slots=cfg.engine.max_slots,
-                    max_len=cfg.engine.max_len, tokenizer=tokenizer,
+                    max_len=cfg.engine.max_len, decode_buckets=cfg.engine.decode_buckets,
+                    tokenizer=tokenizer,
                     policy_version=start_step, mesh=engine_mesh) as engine:
             if processes > 1 and start_step:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)

@@ -52,8 +52,9 @@ def test_prefill_plan_is_the_cheapest_cover(sizes):
 
 
 def test_attention_lengths_are_rounded_quarters_of_the_cache():
-    assert EngineConfig(max_len=512).attention_lengths == (128, 256, 384, 512)
-    config = EngineConfig(max_len=48)
+    assert EngineConfig(max_len=512).attention_lengths == (512,)  # default: batch-invariant
+    assert EngineConfig(max_len=512, decode_buckets=4).attention_lengths == (128, 256, 384, 512)
+    config = EngineConfig(max_len=48, decode_buckets=4)
     assert config.attention_lengths == (16, 32, 48)  # 12 -> 16, 24 -> 32, 36 -> 48
     assert [config.attention_length(p) for p in (0, 15, 16, 31, 32, 47)] == [16, 16, 32, 32, 48,
                                                                              48]

@@ -206,7 +206,8 @@ def test_session_misuse_is_a_request_error(engine):
 
 def test_no_compilation_after_warmup(model):
     # A fresh engine: the very first steps after warm-up are the ones most likely to compile.
-    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32)).start()
+    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                    decode_buckets=4).start()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event)
