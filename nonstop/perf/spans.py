@@ -175,12 +175,16 @@ def device_busy(role: str, /, **tags: Any) -> Span:
     return Span(name, role=role, **tags)
 
 
+_DEVICE_TRACK_KEY = 1  # a task key no asyncio task has (those are object ids)
+
+
 def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) -> None:
     """Record that `role`'s device was busy from `start_ns` to `end_ns` (`time.perf_counter_ns`).
 
     For pipelined loops, where a step is launched before the previous one's results are read:
     the device works on the next step while the host handles the last, so its busy intervals
-    are known only afterwards and do not nest like spans."""
+    are known only afterwards and do not nest like spans. They go on a track of their own
+    (beside the recording thread's), so traces stay well nested."""
     rec = STATE.recorder
     if not rec.enabled or end_ns <= start_ns:
         return
@@ -188,8 +192,8 @@ def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) 
     if name is None:
         name = _busy_names.setdefault(role, stages.device_busy_name(role))
     rec.append(
-        ("X", name, role, start_ns, end_ns, 0.0, _thread_id(), 0, None, next(_ids),
-         _PARENT.get(), tags)
+        ("X", name, role, start_ns, end_ns, 0.0, _thread_id(), _DEVICE_TRACK_KEY,
+         f"{role} device", next(_ids), _PARENT.get(), tags)
     )  # fmt: skip
 
 

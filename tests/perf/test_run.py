@@ -215,3 +215,24 @@ def test_prometheus_serves_running_totals(fresh, tmp_path):
     assert expected in body
     assert 'nonstop_perf_spans_total{name="train/step"} 1.0' in body
     assert "nonstop_perf_dropped_events_total 0.0" in body
+
+
+def test_pipelined_busy_intervals_get_their_own_track_and_count_once(fresh, tmp_path):
+    # A pipelined loop: step N+1 is launched (its busy interval starts) inside the span that
+    # reads step N back, so the intervals overlap the spans of the recording thread.
+    fresh()
+    ms = 1_000_000
+    with perf.run(tmp_path, perf.PerfConfig(flush_interval_s=0.02)):
+        t0 = time.perf_counter_ns()
+        for i in range(3):
+            with perf.span(perf.ROLLOUT_DECODE, step=i):
+                time.sleep(0.002)
+            perf.device_busy_interval(perf.ENGINE, t0 + i * 10 * ms, t0 + (i + 1) * 10 * ms)
+        perf.device_busy_interval(perf.ENGINE, t0 + 40 * ms, t0 + 40 * ms)  # empty: dropped
+    log = perf.read_events(str(tmp_path))
+    busy = [e for e in log.events if e.name == perf.ENGINE_BUSY]
+    assert [(e.t1 - e.t0) // ms for e in busy] == [10, 10, 10]
+    window = (busy[0].t0, busy[0].t0 + 40 * ms)  # event times are relative to the run
+    assert perf.busy_fraction(log.events, perf.ENGINE, window) == pytest.approx(0.75)
+    trace = perf.load_trace(str(tmp_path / "trace.json"))  # validates nesting per track
+    assert "engine device @ MainThread" in trace.threads["engine"].values()
