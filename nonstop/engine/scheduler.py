@@ -406,15 +406,15 @@ class Scheduler(threading.Thread):
         attend_len = self.config.attention_length(int(self.positions[active].max()))
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
-        # A slot that was in the previous step (and not fresh from prefill since) is fed the
-        # token that step sampled, without waiting for the host to read it.
-        from_device = ~self.fresh if previous is not None else np.zeros(self.S, bool)
+        # A slot that was in the previous step (not fresh from prefill) is fed the token that
+        # step sampled, without waiting for the host to read it; `last_token` holds only the
+        # fresh slots' first tokens. (With no previous step every active slot is fresh.)
         # Copies: the host arrays change while the device may still be reading its inputs.
         launched_ns = time.perf_counter_ns()
         self.cache, out = self.device.decode(
             self.state, self.cache, self.last_token.copy(), self.positions.copy(),
             SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
-            previous.out.tokens if previous is not None else None, from_device)
+            previous.out.tokens if previous is not None else None, ~self.fresh)
         self.counters.decode_steps += 1
         self.fresh[active] = False
         self.positions[active] += 1
@@ -444,11 +444,9 @@ class Scheduler(threading.Thread):
             if req.done or req.epoch != epoch or self.slot_req[s] is not req:
                 continue  # finished, cancelled or restarted since this step was launched
             self.slot_tokens[s].append(req.tokens[-1])  # the token this step was fed
-            token = int(out.tokens[s])
-            self.last_token[s] = token
             emitted += 1
-            self._emit(req, token, float(out.logprobs[s]), float(out.sampling_logprobs[s]),
-                       step.version)
+            self._emit(req, int(out.tokens[s]), float(out.logprobs[s]),
+                       float(out.sampling_logprobs[s]), step.version)
         perf.count(perf.ENGINE_TOKENS, emitted)
         if self.launched is not None and not self.launched.out.tokens.is_ready():
             self._seen_running_ns = time.perf_counter_ns()
