@@ -181,8 +181,9 @@ class Learner:
         if estimator == "gae":
             return kept  # PPO: per-token advantages come from the critic inside the trainer
         penalties = [np.zeros(len(g), np.float32) for g in kept]
-        if self.trainer.kl_in_reward and kept:
-            # KL as a reward penalty for group estimators: each episode's summed per-token KL.
+        if self.trainer.kl_in_reward and (kept or jax.process_count() > 1):
+            # KL as a reward penalty for group estimators: each episode's summed per-token KL
+            # (a collective with several processes: each calls it, with or without episodes).
             kl = self.trainer.sequence_kl([t for g in kept for t in g])
             sizes = np.cumsum([0] + [len(g) for g in kept])
             penalties = [algorithm.kl.coef * kl[a:b] for a, b in itertools.pairwise(sizes)]
@@ -261,15 +262,18 @@ class Learner:
         episodes = [t for g in groups for t in g]
         metrics: dict[str, Any] = {"step": self.step, **dataclasses.asdict(stats)}
         # Sums over every process's episodes (one process: its own).
-        count, reward_sum, token_sum = distributed.sum_over_processes(
+        count, reward_sum, token_sum, kl_sum = distributed.sum_over_processes(
             [len(episodes), sum(t.reward for t in episodes),
-             sum(t.num_sampled for t in episodes)])
+             sum(t.num_sampled for t in episodes),
+             sum(t.info.get("kl_penalty", 0.0) for t in episodes)])
         if count:
             metrics.update(reward_mean=float(reward_sum / count),
                            completion_tokens=float(token_sum / count))
+            # Group estimators' episode-level KL penalty (PPO's is per token: the trainer's
+            # `reward_kl`).
+            if self.trainer.kl_in_reward and not self.trainer.uses_gae:
+                metrics["kl_penalty"] = float(kl_sum / count)
         if episodes or jax.process_count() > 1:  # all processes take the same steps
-            if self.trainer.kl_in_reward and episodes and "kl_penalty" in episodes[0].info:
-                metrics["kl_penalty"] = float(np.mean([t.info["kl_penalty"] for t in episodes]))
             metrics.update(self.trainer.train(episodes))
         self.step += 1
         self.sync_weights()

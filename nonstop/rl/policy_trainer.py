@@ -18,6 +18,12 @@ PPO (`algorithm.value` set) adds a `Critic`: before the first update of a step, 
 scores every packed row, GAE turns token rewards (the episode reward on its last sampled token,
 minus the KL penalty) into advantages and returns, advantages are whitened over the whole step,
 and each policy step is followed by a critic step on the clipped value loss.
+
+Under `jax.distributed` (`mesh=distributed.global_mesh(...)`, one packing bucket) each process
+passes only its own trajectories: they fill its rows of every global batch, and a process with
+fewer batches pads with empty ones, so all take the same steps and run the same reference passes
+(`sequence_kl`). PPO whitens with the mean and std over every process's tokens, and the step's
+`advantage_mean_raw` / `advantage_std_raw` / `reward_kl` are over all processes too.
 """
 
 from __future__ import annotations
@@ -121,8 +127,9 @@ class PolicyTrainer:
             sharded = dict(state_shardings=shardings, batch_sharding=self._batch_sharding)
         self._step = make_train_step(self._loss, optimizer, learning_rate=self._schedule,
                                      grad_accum_steps=cfg.grad_accum_steps, **sharded)
-        self._logprobs = jax.jit(self._logprob_pass,
-                                 **({} if mesh is None else {"out_shardings": self._batch_sharding}))
+        rows_out = {} if mesh is None else {"out_shardings": self._batch_sharding}
+        self._logprobs = jax.jit(self._logprob_pass, **rows_out)
+        self._sequence_kl = jax.jit(self._sequence_kl_pass, **rows_out)
         self._reference_params = None
         if self.needs_reference:
             params = self.state.params
@@ -140,11 +147,11 @@ class PolicyTrainer:
                                  max_len_norm=loss.max_len_norm,
                                  grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed + 1,
                                  mesh=mesh)
-            self._gae = jax.jit(self._gae_pass)
+            self._gae = jax.jit(self._gae_pass, **rows_out)
 
     def _check_processes(self) -> None:
-        """Under `jax.distributed` each process trains on its own trajectories; what needs the
-        whole step's episodes on one host is refused with the reason."""
+        """Under `jax.distributed` each process trains on its own trajectories, in rows of the
+        global batch; that needs the global mesh and one batch shape for every process."""
         if jax.process_count() == 1:
             return
         if self.mesh is None:
@@ -154,11 +161,6 @@ class PolicyTrainer:
             raise ValueError(
                 f"PolicyTrainer: with several processes every process must take steps of the "
                 f"same shape; use a single packing bucket, not {self.cfg.packing.buckets}")
-        if self.algorithm.value is not None or self.kl_in_reward:
-            raise ValueError(
-                f"{self.algorithm.name}: PPO's whitened GAE and KL-in-reward read the whole "
-                "step on one host, which several processes do not do yet; use a group "
-                "estimator with a loss-mode KL (grpo, dr_grpo, dapo, gspo) multi-host")
 
     # ---- pure functions (jitted) ---------------------------------------------------------------
 
@@ -194,6 +196,12 @@ class PolicyTrainer:
         return kl_estimate(batch.behavior_logprobs, batch.ref_logprobs, mask,
                            estimator=self.algorithm.kl.estimator)
 
+    def _sequence_kl_pass(self, params: nnx.State, frozen: nnx.State,
+                          batch: TrainBatch) -> jax.Array:
+        """float32[B,T] per-token KL(behaviour || reference) of a batch without ref log-probs."""
+        ref = self._logprob_pass(params, frozen, batch)
+        return self._reward_kl(dataclasses.replace(batch, ref_logprobs=ref))
+
     def _gae_pass(self, values: jax.Array, token_rewards: jax.Array,
                   batch: TrainBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(advantages, returns, kl) float32[B,T] for one packed batch scored by the critic."""
@@ -227,44 +235,63 @@ class PolicyTrainer:
                                 origin=f"episode {t.episode_id}"),) for t in trajectories]
         sums = []
         with perf.span(perf.TRAIN_DATA_WAIT, stage="reference_kl"):
-            for packed in pack_units(units, self.cfg.packing):
-                batch = self._put(packed.batch)
-                ref = self._logprobs(self._reference_params, self.state.frozen, batch)
-                kl = self._reward_kl(dataclasses.replace(batch, ref_logprobs=ref))
-                sums += [float(x.sum()) for x in packed.gather(np.asarray(kl))]
+            batches = list(pack_units(units, self.cfg.packing))
+            if jax.process_count() > 1:  # every process runs the same reference passes
+                missing = distributed.max_over_processes(len(batches)) - len(batches)
+                batches += [self._empty_batch()] * missing
+            for packed in batches:
+                kl = self._sequence_kl(self._reference_params, self.state.frozen,
+                                       self._put(packed.batch))
+                sums += [float(x.sum()) for x in packed.gather(distributed.local_part(kl))]
         return np.asarray(sums, np.float32)
 
     def _gae_advantages(self, trajectories: Sequence[Trajectory], packed: list[PackedBatch],
                         batches: list[TrainBatch]) -> tuple[list[TrainBatch], list[ValueBatch],
                                                             dict[str, float]]:
-        """GAE on every packed batch, whitened over the whole step; the critic's targets."""
+        """GAE on every packed batch, whitened over the whole step (every process's tokens);
+        the critic's targets.
+
+        `packed` are this process's host batches, `batches` the matching (global) device
+        batches. Each process reads back its own rows of the advantages, the whitening mean and
+        std come from token counts and sums over all processes, and the whitened advantages go
+        back into the global batch.
+        """
         assert self.critic is not None
         episodes = iter(trajectories)
         raw = []
         for p, batch in zip(packed, batches, strict=True):
-            rewards = np.zeros(batch.shape, np.float32)
+            rewards = np.zeros(p.batch.shape, np.float32)  # this process's rows
             for place in p.placements:
                 t = next(episodes)
                 sampled = np.flatnonzero(t.loss_mask[:place.length])
                 if sampled.size:  # the episode's reward sits on its last sampled token
                     rewards[place.row, place.start + sampled[-1]] = np.float32(t.reward)
             values = self.critic.values(batch)
-            adv, returns, kl = self._gae(values, jnp.asarray(rewards), batch)
-            raw.append((batch, values, np.asarray(adv), returns, np.asarray(kl)))
-        masks = [np.asarray(target_mask(b.loss_mask, b.segment_ids)) for b, *_ in raw]
-        flat = np.concatenate([a[m] for (_, _, a, _, _), m in zip(raw, masks, strict=True)])
-        mean, std = (flat.mean(), flat.std()) if flat.size else (0.0, 1.0)
+            adv, returns, kl = self._gae(values, self._put(rewards), batch)
+            mask = np.asarray(target_mask(p.batch.loss_mask, p.batch.segment_ids))
+            raw.append((batch, values, distributed.local_part(adv), returns,
+                        distributed.local_part(kl), mask))
+        adv_tokens = np.concatenate([a[m] for _, _, a, _, _, m in raw]).astype(np.float64)
+        kl_tokens = np.concatenate([k[m] for *_, k, m in raw]).astype(np.float64)
+        count, adv_sum, adv_squares, kl_sum = distributed.sum_over_processes(
+            [adv_tokens.size, adv_tokens.sum(), np.square(adv_tokens).sum(), kl_tokens.sum()])
+        mean, std, reward_kl = 0.0, 1.0, 0.0
+        if count:
+            mean = adv_sum / count
+            std = np.sqrt(max(adv_squares / count - mean**2, 0.0))
+            reward_kl = kl_sum / count
         whiten = self.algorithm.advantage.whiten
         out_batches, value_batches = [], []
-        for (batch, values, adv, returns, _), mask in zip(raw, masks, strict=True):
+        for batch, values, adv, returns, _, mask in raw:
             if whiten:
-                adv = np.where(mask, (adv - mean) / np.sqrt(std**2 + 1e-8), 0.0)
-            out_batches.append(dataclasses.replace(batch, advantages=jnp.asarray(adv,
-                                                                                jnp.float32)))
+                scaled = (adv.astype(np.float64) - mean) / np.sqrt(std**2 + 1e-8)
+                out_batches.append(dataclasses.replace(
+                    batch, advantages=self._put(np.where(mask, scaled, 0.0).astype(np.float32))))
+            else:
+                out_batches.append(dataclasses.replace(batch, advantages=self._put(adv)))
             value_batches.append(ValueBatch(batch=batch, old_values=values, returns=returns))
-        kl_tokens = np.concatenate([k[m] for (*_, k), m in zip(raw, masks, strict=True)])
         stats = {"advantage_mean_raw": float(mean), "advantage_std_raw": float(std),
-                 "reward_kl": float(kl_tokens.mean()) if kl_tokens.size else 0.0}
+                 "reward_kl": float(reward_kl)}
         return out_batches, value_batches, stats
 
     def _empty_batch(self) -> PackedBatch:
@@ -278,9 +305,9 @@ class PolicyTrainer:
                            loss_mask=np.zeros(shape, bool), **floats)
         return PackedBatch(batch=batch, stats=PackingStats(), placements=())
 
-    def _put(self, batch: TrainBatch) -> TrainBatch:
-        """A packed host batch on the trainer's devices: one device, the mesh, or (several
-        processes) this process's rows of the global batch."""
+    def _put(self, batch: Any) -> Any:
+        """A packed host batch (or one [B,T] array of it) on the trainer's devices: one device,
+        the mesh, or (several processes) this process's rows of the global batch."""
         if self._batch_sharding is None:
             return jax.tree.map(jnp.asarray, batch)
         if jax.process_count() == 1:

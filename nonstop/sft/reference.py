@@ -5,6 +5,9 @@ the examples are encoded exactly as for training, padded one pair per row (so ea
 to its example), and the reference's per-token log-probs are stored per example origin
 ("file:line") in `RUN_DIR/reference_logprobs.npz` with a fingerprint of what produced them. A
 resumed run, or a second run over the same data and model, loads the file instead of recomputing.
+Under `jax.distributed` every process makes the same pass (each batch is a global array; the
+log-probs come back whole to every host) and process 0 alone writes the file
+(`nonstop.sft.trainer.reference_cache`).
 
 `training_dataset` is `nonstop.sft.data.make_dataset` with one more step: after encoding, each
 sequence gets its cached log-probs as `ref_logprobs`, so the packer lays them out next to the
@@ -31,7 +34,8 @@ from nonstop.train.packing import BatchPacker, PackUnit
 
 CACHE_FILE = "reference_logprobs.npz"
 ReferenceCache = Mapping[str, tuple[np.ndarray, ...]]  # origin -> per-sequence float32[L]
-LogprobFn = Callable[[TrainBatch], jax.Array]  # host batch -> float32[B,T] reference log-probs
+# host batch -> float32[B,T] reference log-probs of the whole batch (on every process)
+LogprobFn = Callable[[TrainBatch], jax.Array | np.ndarray]
 
 
 def _records(config: DataConfig) -> grain.MapDataset:
@@ -42,7 +46,11 @@ def _records(config: DataConfig) -> grain.MapDataset:
 def compute_reference_logprobs(
     config: DataConfig, tokenizer: Tokenizer, logprob_fn: LogprobFn
 ) -> dict[str, tuple[np.ndarray, ...]]:
-    """One pass over every example of `config` (no shuffle, one epoch) with `logprob_fn`."""
+    """One pass over every example of `config` (no shuffle, one epoch) with `logprob_fn`.
+
+    Every process that calls it encodes the same batches in the same order, so a collective
+    `logprob_fn` (one that returns the whole batch to every process) is called equally often.
+    """
     units = _records(config).map(ExampleEncoder(config, tokenizer))
     packing = dataclasses.replace(config.packing, mode="pad")
     cache: dict[str, tuple[np.ndarray, ...]] = {}

@@ -8,7 +8,8 @@
    quantizes the base, then LoRA wraps the projections (only adapters train and are saved);
 2. the mesh and the `TrainState` (float32 master copy of the trainable weights, bf16 compute
    when `dtype=bfloat16`), sharded by the model's logical axes; for precomputed DPO, one pass of
-   the frozen reference over the data (cached in the run directory);
+   the frozen reference over the data (cached in the run directory, written by process 0 when
+   several processes run it together);
 3. the Grain pipeline of packed batches from a few fixed length buckets, and the one jitted,
    donated step (`make_train_step`) with gradient accumulation;
 4. resume from the last complete checkpoint (params, optimizer state, step, RNG and the data
@@ -221,6 +222,9 @@ def reference_cache(cfg: SFTRunConfig, model: nnx.Module, tokenizer: Tokenizer,
     """Reference log-probs of every example, from RUN_DIR's cache or one pass over the data.
 
     `model` must be the model before any training step (the base, or LoRA with zero adapters).
+    With several processes the pass is collective: every process encodes the same batches,
+    uploads its rows of each and gets the whole result back, so all hold the same cache; the
+    pass runs unless every process can load the file, and only process 0 writes it.
     """
     data = cfg.data_config()
     fingerprint = ref_cache.fingerprint_of(
@@ -229,25 +233,25 @@ def reference_cache(cfg: SFTRunConfig, model: nnx.Module, tokenizer: Tokenizer,
         quantization=cfg.quantization, dtype=cfg.dtype, seed=cfg.seed,
         loss_type=cfg.dpo.loss_type,
     )
-    if jax.process_count() > 1:
-        raise ValueError("reference='precomputed' is not supported with several processes yet; "
-                         "set reference=on_the_fly (or dpo.reference_free=true) for multi-host DPO")
     path = os.path.join(cfg.run_dir, ref_cache.CACHE_FILE)
     cached = ref_cache.load_cache(path, fingerprint)
-    if cached is not None:
+    # Collective: a process without the file (a host-local run directory) makes all recompute.
+    if distributed.max_over_processes(int(cached is None)) == 0 and cached is not None:
         return cached
     reference = reference_of(model) if has_lora(model) else model
     graphdef, weights = nnx.split(reference)
     forward = jax.jit(lambda w, b: forward_logprobs(nnx.merge(graphdef, w), b))
 
-    def logprob_fn(batch: TrainBatch) -> jax.Array:
-        if batch_sharding is not None:
-            batch = jax.device_put(batch, batch_sharding)
-        return forward(weights, batch)
+    def logprob_fn(batch: TrainBatch) -> np.ndarray:
+        if batch_sharding is not None:  # every process holds the whole batch: keep its rows
+            batch = distributed.global_batch_from_full(batch, batch_sharding)
+        return distributed.fetch(forward(weights, batch))  # on every host (a collective)
 
     with perf.span(perf.TRAIN_EVAL, what="reference_logprobs"):
         cache = ref_cache.compute_reference_logprobs(data, tokenizer, logprob_fn)
-    ref_cache.save_cache(path, cache, fingerprint)
+    if distributed.is_main_process():
+        ref_cache.save_cache(path, cache, fingerprint)
+    distributed.barrier("nonstop.sft.reference_cache")
     return cache
 
 

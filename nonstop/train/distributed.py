@@ -10,7 +10,8 @@ the devices of all processes. nonstop builds nothing of its own on top: a traine
    outermost axes, so tensor parallelism (`tp`) stays inside a host and the batch axes
    (`data`, `fsdp`) span hosts;
 3. loads only its own rows of each global batch and assembles the global array with
-   `jax.make_array_from_process_local_data` (`global_batch`, `local_rows`);
+   `jax.make_array_from_process_local_data` (`global_batch`, `local_rows`), and reads its own
+   rows of a global result back with `local_part`;
 4. checkpoints with Orbax, which writes and restores collectively when every process calls it
    (`nonstop.train.Checkpointer` needs no change), and logs from process 0 only (`print_main`,
    `process_run_dir`).
@@ -224,6 +225,32 @@ def global_batch_from_full(full: PyTree, sharding: NamedSharding) -> PyTree:
     return global_batch(jax.tree.map(lambda x: np.asarray(x)[mine], full), sharding, rows)
 
 
+def local_part(x: jax.Array | np.ndarray) -> np.ndarray:
+    """This process's rows of a row-sharded global array, as host numpy: its addressable row
+    blocks in order, each once (a block replicated over several local devices is read from one).
+
+    The inverse of `global_batch`: for a batch assembled from this process's rows it returns
+    those rows. With one process (or a host array) it is the whole array.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    rows = x.shape[0]
+    blocks: dict[tuple[int, int], jax.Shard] = {}
+    for shard in x.addressable_shards:
+        if tuple(shard.data.shape[1:]) != tuple(x.shape[1:]):
+            raise ValueError(f"local_part takes arrays sharded by rows only; this one of shape "
+                             f"{x.shape} is split along another axis too ({x.sharding}); "
+                             "reshard it with batch_sharding(mesh) first")
+        start, stop, _ = shard.index[0].indices(rows)
+        blocks.setdefault((start, stop), shard)
+    spans = sorted(blocks)
+    for (_, stop), (start, _) in zip(spans, spans[1:], strict=False):
+        if stop != start:
+            raise ValueError(f"this process's rows {spans} of the global array are not one "
+                             "block; build the mesh with global_mesh() so they are")
+    return np.concatenate([np.asarray(blocks[span].data) for span in spans])
+
+
 def put_global(tree: PyTree, shardings: PyTree) -> PyTree:
     """Place a tree whose values every process holds identically (e.g. a model initialised from
     the same seed) onto global shardings; each process uploads only its own shards."""
@@ -283,6 +310,7 @@ __all__ = [
     "global_mesh",
     "initialize",
     "is_main_process",
+    "local_part",
     "local_rows",
     "logical_partition_specs",
     "max_over_processes",
