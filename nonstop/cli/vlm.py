@@ -13,12 +13,17 @@ Data is JSONL: {"prompt": "...<start_of_image>...", "completion": ..., "images":
 {"messages": [...]} with {"type": "image", "path": ...} content blocks for sft,
 {"prompt", "chosen", "rejected", "images"} for dpo; image paths are relative to the JSONL file.
 
+`mesh.data`, `mesh.fsdp` and `mesh.tp` train on a device mesh (batch_size and max_images
+multiples of data x fsdp); under jax.distributed (NONSTOP_COORDINATOR_ADDRESS,
+NONSTOP_NUM_PROCESSES and NONSTOP_PROCESS_ID, or NONSTOP_DISTRIBUTED=auto) every process runs the
+same command and the mesh covers all of their devices, as for `nonstop sft` (docs/scaling.md).
+
 A run directory records the resolved config (config.yaml), metrics (metrics.jsonl,
-tensorboard/), the perf trace and, at the end, export/ (a Hugging Face checkpoint with the
-tokenizer and preprocessor_config.json). There are no checkpoints and no resume yet. Bad input —
-an unknown key, a bad value, a malformed data line, a missing or unreadable image, an example
-longer than seq_len — stops the run with a message naming the key or the file and line
-(exit status 2).
+tensorboard/; RUN_DIR/process_N for the other processes), the perf trace and, at the end,
+export/ (a Hugging Face checkpoint with the tokenizer and preprocessor_config.json). There are no
+checkpoints and no resume yet. Bad input — an unknown key, a bad value, a malformed data line, a
+missing or unreadable image, an example longer than seq_len, a mesh the batch or the devices do
+not fit — stops the run with a message naming the key or the file and line (exit status 2).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ applies Gemma's (1 + w) RMSNorm and projects to the language model's width D.
 
 The attention layout matches the decoder's (q/k/v [Dv, N, H], o [N, H, Dv]) so the LoRA wrapper
 of `lora.py` applies unchanged; `apply_vision_lora` wraps the vision attention projections.
+
+Sharding: the tower's weights carry the decoder's logical axes, its width Dv as "embed" (FSDP
+shards it), heads and the MLP width as "heads" / "mlp" (tensor parallelism splits them); its
+bias and norm vectors are replicated. The projector's output width is the language model's
+"embed" (its input width Dv stays whole, since an array uses a mesh axis at most once).
 """
 
 from __future__ import annotations
@@ -131,10 +136,10 @@ class VisionAttention(nnx.Module):
 
     def __init__(self, cfg: VisionConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.q_proj = _param(rngs, (D, N, H), (None, "heads", "head_dim"), param_dtype)
-        self.k_proj = _param(rngs, (D, N, H), (None, "heads", "head_dim"), param_dtype)
-        self.v_proj = _param(rngs, (D, N, H), (None, "heads", "head_dim"), param_dtype)
-        self.o_proj = _param(rngs, (N, H, D), ("heads", "head_dim", None), param_dtype)
+        self.q_proj = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_proj = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.v_proj = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.o_proj = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), param_dtype)
         self.q_bias = _bias((N, H), ("heads", "head_dim"), param_dtype)
         self.k_bias = _bias((N, H), ("heads", "head_dim"), param_dtype)
         self.v_bias = _bias((N, H), ("heads", "head_dim"), param_dtype)
@@ -155,9 +160,9 @@ class VisionAttention(nnx.Module):
 class VisionMLP(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.fc1 = _param(rngs, (D, F), (None, "mlp"), param_dtype)
+        self.fc1 = _param(rngs, (D, F), ("embed", "mlp"), param_dtype)
         self.fc1_bias = _bias((F,), ("mlp",), param_dtype)
-        self.fc2 = _param(rngs, (F, D), ("mlp", None), param_dtype)
+        self.fc2 = _param(rngs, (F, D), ("mlp", "embed"), param_dtype)
         self.fc2_bias = _bias((D,), (None,), param_dtype)
 
     def __call__(self, x: Array) -> Array:
@@ -186,10 +191,10 @@ class VisionEncoder(nnx.Module):
         P, C, D = cfg.patch_size, cfg.num_channels, cfg.hidden_size
         self.cfg = cfg
         self.dtype = dtype
-        self.patch_embed = _param(rngs, (P, P, C, D), (None, None, None, None),
+        self.patch_embed = _param(rngs, (P, P, C, D), (None, None, None, "embed"),
                                   param_dtype)
         self.patch_bias = _bias((D,), (None,), param_dtype)
-        self.pos_embed = _param(rngs, (cfg.patches_per_side**2, D), (None, None),
+        self.pos_embed = _param(rngs, (cfg.patches_per_side**2, D), (None, "embed"),
                                 param_dtype)
         self.layers = nnx.List([VisionBlock(cfg, param_dtype=param_dtype, rngs=rngs)
                                 for _ in range(cfg.num_layers)])

@@ -5,19 +5,34 @@
 Read top to bottom: load the checkpoint (`load_pretrained` gives a `Gemma3VLM`), its tokenizer
 (unless one is passed) and image processor; wrap LoRA on the language model (and, with
 `vision_lora`, on the vision attention); read the examples (`vision_data` / `vision_preference`:
-bad input fails here, naming the file and line); then the one jitted step of `make_train_step`
-(the optimizer and schedule of `nonstop.train.optim`) over fixed-shape batches, one example per
-row, recorded through `nonstop.perf` and written by `MetricsWriter` to RUN_DIR/metrics.jsonl and
-RUN_DIR/tensorboard; finally, with `export`, merge the adapters and write a checkpoint
-transformers loads to RUN_DIR/export, with the tokenizer and `preprocessor_config.json` beside it.
+bad input fails here, naming the file and line); place the `TrainState` on the (data, fsdp, tp)
+`mesh`, sharded by the model's logical axes (the vision tower's too: see `models/vision.py`);
+then the one jitted step of `make_train_step` (the optimizer and schedule of
+`nonstop.train.optim`) over fixed-shape batches, one example per row, recorded through
+`nonstop.perf` and written by `MetricsWriter` to RUN_DIR/metrics.jsonl and RUN_DIR/tensorboard;
+finally, with `export`, merge the adapters and write a checkpoint transformers loads to
+RUN_DIR/export, with the tokenizer and `preprocessor_config.json` beside it.
+
+The mesh is the text trainer's: `mesh.data x mesh.fsdp x mesh.tp` devices (the first ones; one
+device, no mesh, by default). A batch's rows are split over ("data", "fsdp"), and so is its image
+array on its own leading axis (`max_images`, not rows: images are a flat list merged into the
+placeholders in row-major order), so the vision tower encodes a slice of the images on each
+device; `batch_size` and `max_images` must both be multiples of `mesh.data x mesh.fsdp`. Under
+`jax.distributed` (NONSTOP_COORDINATOR_ADDRESS... or NONSTOP_DISTRIBUTED=auto, see
+`nonstop.train.distributed`) every process runs with the same config over one global mesh,
+reads the same examples in the same order and uploads only its own rows and images of each
+batch; metrics and the perf trace go to RUN_DIR on process 0 (RUN_DIR/process_N elsewhere), and
+the weights are gathered on every process (a collective) before process 0 alone writes the
+export.
 
 Metrics per step: loss, learning_rate, grad_norm, the loss's denominator (`loss_tokens` for SFT,
 `pairs` for DPO), tokens (real tokens in the batch, image placeholders included) and
 tokens_per_second, images (real images in the batch), and for DPO the DPO metrics.
 
-Departures from the text trainer (`trainer.py`): no packing (an example per row), no mesh, no
+Departures from the text trainer (`trainer.py`): no packing (an example per row), no
 checkpoints or resume, no gradient accumulation, and every image is decoded up front into host
-memory — what the text trainer's Grain pipeline adds is not yet wired to images.
+memory (on every process) — what the text trainer's Grain pipeline adds is not yet wired to
+images.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from nonstop import perf
 from nonstop.models.chat import ChatTemplate
@@ -40,8 +56,10 @@ from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM
+from nonstop.models.sharding import make_mesh
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.vision import VISION_LORA_TARGETS, apply_vision_lora, merge_vision_lora
+from nonstop.sft.config import MeshSettings
 from nonstop.sft.losses import DPOConfig
 from nonstop.sft.vision_data import (
     TextEncoder,
@@ -53,10 +71,11 @@ from nonstop.sft.vision_data import (
     vision_sft_loss,
 )
 from nonstop.sft.vision_preference import read_vision_preference, vision_dpo_loss_fn
+from nonstop.train import distributed
 from nonstop.train.metrics import MetricsConfig, MetricsWriter
 from nonstop.train.optim import OptimizerConfig, build_optimizer, build_schedule
 from nonstop.train.state import TrainState
-from nonstop.train.step import LossFn, make_train_step
+from nonstop.train.step import LossFn, TrainStep, make_train_step
 
 VisionTask = Literal["sft", "dpo"]
 Dtype = Literal["float32", "bfloat16"]
@@ -85,6 +104,7 @@ class VisionTrainConfig:
     vision_lora: bool = False  # also adapt the vision tower's attention (q, k, v, o)
     dpo: DPOConfig = DPOConfig()
     metrics: MetricsConfig = MetricsConfig()
+    mesh: MeshSettings = MeshSettings()  # data x fsdp x tp devices; the default is one device
     seed: int = 0
     export: bool = True  # merge the adapters and save_pretrained into RUN_DIR/export
 
@@ -100,6 +120,13 @@ class VisionTrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"VisionTrainConfig.{name} must be >= 1, got "
                                  f"{getattr(self, name)}")
+        shards = self.mesh.data * self.mesh.fsdp
+        for name in ("batch_size", "max_images"):
+            if getattr(self, name) % shards:
+                raise ValueError(f"VisionTrainConfig.{name}={getattr(self, name)} must be a "
+                                 f"multiple of mesh.data x mesh.fsdp = {self.mesh.data} x "
+                                 f"{self.mesh.fsdp} = {shards}: rows and images are split "
+                                 f"evenly over those devices; change {name} or the mesh")
         if self.vision_lora and not set(self.lora.targets) & set(VISION_LORA_TARGETS):
             raise ValueError(f"VisionTrainConfig.vision_lora: lora.targets {self.lora.targets} "
                              f"name no attention projection; the vision tower adapts "
@@ -122,6 +149,7 @@ class VisionTrainResult:
 
     run_dir: str
     model: Gemma3VLM  # adapters merged when exported, still wrapped otherwise
+    # (exported under several processes: gathered host copies on every process)
     losses: list[float]
     metrics: list[dict[str, float]]  # the records written to metrics.jsonl, one per step
     export_dir: str | None
@@ -135,7 +163,11 @@ def load_vision_tokenizer(cfg: VisionTrainConfig) -> Tokenizer:
 def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder | None = None,
                  processor: ImageProcessor | None = None) -> VisionTrainResult:
     """Run the whole training; `tokenizer` defaults to `load_vision_tokenizer(cfg)` and
-    `processor` to the checkpoint's preprocessor config."""
+    `processor` to the checkpoint's preprocessor config.
+
+    Under several processes (NONSTOP_COORDINATOR_ADDRESS... or NONSTOP_DISTRIBUTED=auto, see
+    `nonstop.train.distributed`) every process calls it with the same config."""
+    distributed.initialize(distributed.DistributedConfig.from_env())
     if not Path(cfg.model_path).is_dir():
         raise FileNotFoundError(f"model_path={cfg.model_path!r}: not a directory; give a local "
                                 "Gemma 3 vision-language checkpoint (Hugging Face layout)")
@@ -143,8 +175,8 @@ def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder | None = None
         raise FileNotFoundError(f"data_path={cfg.data_path!r}: no such file; give a JSONL file "
                                 "of image + text examples")
     os.makedirs(cfg.run_dir, exist_ok=True)
-    recording = (perf.run(cfg.run_dir) if perf.active_run_dir() is None
-                 else contextlib.nullcontext())
+    recording = (perf.run(distributed.process_run_dir(cfg.run_dir))
+                 if perf.active_run_dir() is None else contextlib.nullcontext())
     with recording:
         return _train(cfg, tokenizer if tokenizer is not None else load_vision_tokenizer(cfg),
                       processor)
@@ -218,6 +250,56 @@ def make_loss_fn(cfg: VisionTrainConfig) -> LossFn:
     return with_dropout
 
 
+def build_mesh(cfg: VisionTrainConfig) -> Mesh | None:
+    """The (data, fsdp, tp) mesh over the first devices, or None for a single device; under
+    `jax.distributed` with several processes, the global mesh over all of their devices."""
+    data, fsdp, tp = cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp
+    if jax.process_count() > 1:
+        return distributed.global_mesh(data=data, fsdp=fsdp, tp=tp)
+    n = cfg.mesh.num_devices
+    if n == 1:
+        return None
+    if n > len(jax.devices()):
+        raise ValueError(f"VisionTrainConfig.mesh data={data} x fsdp={fsdp} x tp={tp} needs {n} "
+                         f"devices; {len(jax.devices())} are available: shrink the mesh")
+    return make_mesh(data=data, fsdp=fsdp, tp=tp, devices=jax.devices()[:n])
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionStepSetup:
+    """The jitted step, the state placed on the mesh and how batches go there."""
+
+    step: TrainStep
+    state: TrainState
+    batch_sharding: NamedSharding | None  # leading axis over ("data", "fsdp"); None: no mesh
+
+    def put(self, batch: VisionBatch) -> VisionBatch:
+        """The global batch on the mesh; each process uploads only its own slice of each leaf.
+
+        Each leaf is split on its own leading axis: rows for the token arrays, images (in
+        `max_images` slots, not rows) for the image array."""
+        if self.batch_sharding is None:
+            return batch
+        return VisionBatch(*(distributed.global_batch_from_full(leaf, self.batch_sharding)
+                             for leaf in batch))
+
+
+def setup_step(cfg: VisionTrainConfig, state: TrainState, mesh: Mesh | None
+               ) -> VisionStepSetup:
+    """The jitted step for `cfg`; with a mesh, the state sharded by its logical axes (every
+    process holds the same values and uploads its own shards)."""
+    optimizer = build_optimizer(cfg.optimizer)
+    kwargs: dict[str, TrainState | NamedSharding] = {}
+    batch_sharding = None
+    if mesh is not None:
+        state, shardings = distributed.place_train_state(state, mesh)
+        batch_sharding = distributed.batch_sharding(mesh)
+        kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
+    step = make_train_step(make_loss_fn(cfg), optimizer,
+                           learning_rate=build_schedule(cfg.optimizer), **kwargs)
+    return VisionStepSetup(step=step, state=state, batch_sharding=batch_sharding)
+
+
 def flops_per_example(model: Gemma3VLM) -> tuple[int, int]:
     """6 x parameters per token of the language model and per patch of the vision tower (the
     usual 6N estimate, for the report's MFU; the vision tower runs once per image patch)."""
@@ -230,23 +312,25 @@ def flops_per_example(model: Gemma3VLM) -> tuple[int, int]:
 
 def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProcessor | None
            ) -> VisionTrainResult:
+    mesh = build_mesh(cfg)
+    # Loaded onto one device, then placed on the mesh with the optimizer state (put_global).
     model = build_vision_model(cfg, tokenizer)
     if processor is None:
         processor = ImageProcessor.from_pretrained(cfg.model_path)
     flops_per_token, flops_per_image = flops_per_example(model)
     with perf.span(perf.TRAIN_DATA_WAIT, what="read_examples"):
         examples = read_examples(cfg, model, tokenizer, processor)
-    optimizer = build_optimizer(cfg.optimizer)
-    state = TrainState.create(model, optimizer, rng=jax.random.key(cfg.seed), wrt=nnx.LoRAParam)
+    state = TrainState.create(model, build_optimizer(cfg.optimizer),
+                              rng=jax.random.key(cfg.seed), wrt=nnx.LoRAParam)
     del model
-    step_fn = make_train_step(make_loss_fn(cfg), optimizer,
-                              learning_rate=build_schedule(cfg.optimizer))
+    setup = setup_step(cfg, state, mesh)
+    state = setup.state
     denominator = "pairs" if cfg.kind == "dpo" else "loss_tokens"
     rng = np.random.RandomState(cfg.seed)
     order: list[int] = []
     records: list[dict[str, float]] = []
-    writer = MetricsWriter(cfg.run_dir, cfg.metrics, total_steps=cfg.steps,
-                           run_config=dataclasses.asdict(cfg))
+    writer = MetricsWriter(distributed.process_run_dir(cfg.run_dir), cfg.metrics,
+                           total_steps=cfg.steps, run_config=dataclasses.asdict(cfg))
     with writer:
         for step in range(1, cfg.steps + 1):
             with perf.span(perf.TRAIN_DATA_WAIT, step=step):
@@ -257,8 +341,9 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
                 batch = make_vision_batch(chosen, seq_len=cfg.seq_len,
                                           max_images=cfg.max_images)
             with perf.span(perf.TRAIN_STEP, step=step):
+                placed = setup.put(batch)
                 with perf.device_busy(perf.TRAINER, step=step):
-                    state, metrics = step_fn(state, batch)
+                    state, metrics = setup.step(state, placed)
                     metrics["loss"].block_until_ready()
             tokens = int(np.count_nonzero(batch.segment_ids))
             images = sum(len(ex.images) for ex in chosen)
@@ -271,19 +356,36 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
         written = writer.flush()
         if written is not None:
             records.append(written)
-    model = state.model()
-    export_dir = export_vision_model(cfg, model, tokenizer, processor) if cfg.export else None
+    export_dir = None
+    if cfg.export:
+        if jax.process_count() > 1:  # gathering the weights to every host is collective
+            state = state.replace(params=distributed.fetch(state.params),
+                                  frozen=distributed.fetch(state.frozen))
+        model = state.model()
+        if distributed.is_main_process():
+            export_dir = export_vision_model(cfg, model, tokenizer, processor)
+        else:
+            merge_vision_adapters(model)
+        distributed.barrier("nonstop.vlm.export")
+    else:
+        model = state.model()
     return VisionTrainResult(run_dir=cfg.run_dir, model=model,
                              losses=[r["loss"] for r in records], metrics=records,
                              export_dir=export_dir)
+
+
+def merge_vision_adapters(model: Gemma3VLM) -> Gemma3VLM:
+    """Fold the language model's and the vision tower's adapters into their weights (in place)."""
+    merge_lora(model)
+    merge_vision_lora(model.vision)
+    return model
 
 
 def export_vision_model(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: TextEncoder,
                         processor: ImageProcessor) -> str:
     """Merge the adapters (in place) and write RUN_DIR/export: weights, tokenizer (when it is a
     `Tokenizer`) and `preprocessor_config.json`, a directory transformers loads."""
-    merge_lora(model)
-    merge_vision_lora(model.vision)
+    merge_vision_adapters(model)
     directory = os.path.join(cfg.run_dir, EXPORT_DIR)
     save_pretrained(model, directory)
     if isinstance(tokenizer, Tokenizer):
@@ -293,5 +395,6 @@ def export_vision_model(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: Tex
     return directory
 
 
-__all__ = ["EXPORT_DIR", "VisionTrainConfig", "VisionTrainResult", "build_vision_model",
-           "export_vision_model", "load_vision_tokenizer", "train_vision"]
+__all__ = ["EXPORT_DIR", "VisionStepSetup", "VisionTrainConfig", "VisionTrainResult",
+           "build_mesh", "build_vision_model", "export_vision_model", "load_vision_tokenizer",
+           "merge_vision_adapters", "setup_step", "train_vision"]
