@@ -302,9 +302,14 @@ class Scheduler(threading.Thread):
     def _admit(self) -> None:
         if not self.waiting:
             return
+        full = False  # no free or evictable slot is left: only sessions' own slots remain
         for req in list(self.waiting):
+            own = req.session is not None and req.session.slot is not None
+            if full and not own:
+                continue  # O(1) per request: a long queue costs no slot scans per step
             slot = self._slot_for(req)
             if slot is None:
+                full = True
                 continue
             self.waiting.remove(req)
             self._start(req, slot)

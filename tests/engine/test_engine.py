@@ -14,6 +14,7 @@ from flax import nnx
 
 from nonstop import perf
 from nonstop.engine import Engine, EngineError, RequestError, SamplingParams
+from nonstop.engine.scheduler import Session
 from nonstop.models import ModelConfig, init_decoder
 
 MAX_LEN = 64
@@ -253,3 +254,47 @@ def test_jnp_is_not_needed_by_callers(engine):
     a = engine.generate_sync(np.asarray(p, np.int64), GREEDY).tokens
     b = engine.generate_sync(jnp.asarray(p, jnp.int32), GREEDY).tokens
     assert a == b == engine.generate_sync(p, GREEDY).tokens
+
+
+def test_admission_with_every_slot_taken_still_seats_a_sessions_own_slot(model):
+    """The scheduler's admission pass, driven by hand (its thread never started): once a plain
+    request finds no free or evictable slot, later plain requests are not scanned, but a
+    session whose turn is waiting still gets the slot it holds, ahead of the queue."""
+    from nonstop.engine.config import EngineConfig
+    from nonstop.engine.device import DeviceSteps
+    from nonstop.engine.scheduler import Request, Scheduler
+
+    device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN)
+    sched = Scheduler(device, device.initial_state, 0,
+                      EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8,)), None)
+
+    def request(seed, session=None):
+        return Request(prompt=_prompt(4, seed=seed), temperature=0.0, top_k=0, top_p=1.0,
+                       seed=0, max_tokens=2, stop_ids=frozenset(), stop=(), session=session,
+                       resolve=lambda _: None)
+
+    session = Session(sched, 0)
+    sched._accept(request(0, session))
+    sched._admit()
+    own = session.slot
+    assert own is not None
+    sched._release(sched.slot_req[own])  # its turn ends: the slot stays the session's, idle
+    assert sched.slot_owner[own] is session and sched.slot_req[own] is None
+    busy = [request(1), request(2)]  # take the other slots
+    for req in busy:
+        sched._accept(req)
+    sched._admit()
+    assert sorted(r.slot for r in busy) == sorted(set(range(SLOTS)) - {own})
+    queued = [request(3), request(4)]  # no free slot, and the session's is not evictable...
+    turn = request(5, session)  # ...because its next turn is waiting behind them
+    for req in (*queued, turn):
+        sched._accept(req)
+    sched._admit()
+    assert turn.slot == own and sched.slot_req[own] is turn
+    assert all(r.slot == -1 for r in queued) and list(sched.waiting) == queued
+    assert sched.counters.evictions == 0
+    # A slot frees up: the first queued request takes it, the next keeps waiting.
+    freed = busy[0].slot
+    sched._release(busy[0])
+    sched._admit()
+    assert queued[0].slot == freed and list(sched.waiting) == [queued[1]]
