@@ -97,6 +97,12 @@ class DeviceSteps:
         if self.image_token_id is not None:
             self._encode = jax.jit(self._encode_fn)
             self._prefill_images = jax.jit(self._prefill_images_fn, donate_argnums=(1,))
+        # Host swap of one slot's keys and values (an evicted session's cache, `read_slot` /
+        # `write_slot`): the whole row, so each is one compilation.
+        self._read_slot = jax.jit(self._read_slot_fn)
+        self._write_slot = jax.jit(
+            self._write_slot_fn, donate_argnums=(0,),
+            **({} if mesh is None else {"out_shardings": self.cache_sharding}))
 
     def new_cache(self) -> KVCache:
         return KVCache.create(self.cfg, num_slots=self.num_slots, max_len=self.max_len,
@@ -128,6 +134,43 @@ class DeviceSteps:
                                        jnp.ones_like(tokens), cache, slot[None])
         last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
         return cache, model.logits(last[None])[:, 0]  # [1, V]
+
+    def _read_slot_fn(self, cache: KVCache, slot: Array) -> tuple[tuple[Array, ...], ...]:
+        self.traces["read_slot"] += 1
+        return (tuple(k[slot] for k in cache.keys), tuple(v[slot] for v in cache.values))
+
+    def _write_slot_fn(self, cache: KVCache, slot: Array, keys: tuple[Array, ...],
+                       values: tuple[Array, ...]) -> KVCache:
+        self.traces["write_slot"] += 1
+        return KVCache(keys=tuple(c.at[slot].set(k.astype(c.dtype))
+                                  for c, k in zip(cache.keys, keys, strict=True)),
+                       values=tuple(c.at[slot].set(v.astype(c.dtype))
+                                    for c, v in zip(cache.values, values, strict=True)))
+
+    def read_slot(self, cache: KVCache, slot: int, length: int
+                  ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        """The keys and values of `slot`'s first `length` positions, on the host: per layer
+        [K, length, H] (copies; the cache is not changed)."""
+        keys, values = jax.device_get(self._read_slot(cache, np.int32(slot)))
+        return (tuple(np.array(k[:, :length]) for k in keys),
+                tuple(np.array(v[:, :length]) for v in values))
+
+    def write_slot(self, cache: KVCache, slot: int, keys: tuple[np.ndarray, ...],
+                   values: tuple[np.ndarray, ...]) -> KVCache:
+        """`cache` with `slot`'s first positions set to what `read_slot` returned (the rest of
+        the row zeroed); donates `cache`."""
+        def row(x: np.ndarray) -> np.ndarray:
+            full = np.zeros((x.shape[0], self.max_len, x.shape[2]), x.dtype)
+            full[:, :x.shape[1]] = x
+            return full
+        return self._write_slot(cache, np.int32(slot), tuple(row(k) for k in keys),
+                                tuple(row(v) for v in values))
+
+    def slot_position_bytes(self) -> int:
+        """Host bytes that one cached position of one slot takes (keys and values, all
+        layers)."""
+        itemsize = np.dtype(self.cache_dtype).itemsize
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * itemsize
 
     def _encode_fn(self, state: nnx.State, images: Array) -> Array:
         self.traces[f"encode_images_{images.shape[0]}"] += 1
@@ -189,9 +232,10 @@ class DeviceSteps:
         return cache, _sample(logits, sampling)
 
     def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...],
-               attention_lengths: tuple[int, ...] = ()) -> KVCache:
-        """Compile decode for each attention length and prefill for each chunk size; writes
-        nothing (all rows parked)."""
+               attention_lengths: tuple[int, ...] = (), *, swap: bool = False) -> KVCache:
+        """Compile decode for each attention length, prefill for each chunk size and, with
+        `swap`, the slot read and write; writes nothing (all rows parked, slot 0 rewritten
+        with what it holds)."""
         S = self.num_slots
         sampling = idle_sampling(S)
         lengths = attention_lengths or (self.max_len,)
@@ -210,6 +254,9 @@ class DeviceSteps:
             cache, out = self.prefill(state, cache, np.zeros((1, C), np.int32), self.max_len, 0,
                                       0, idle_sampling(1))
             jax.block_until_ready(out)
+        if swap:
+            keys, values = self.read_slot(cache, 0, self.max_len)
+            cache = jax.block_until_ready(self.write_slot(cache, 0, keys, values))
         return cache
 
     def check_state(self, state: nnx.State) -> None:

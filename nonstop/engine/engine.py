@@ -53,6 +53,9 @@ class EngineStats:
     decode_steps: int
     completed: int
     evictions: int
+    swapped_out: int  # evicted sessions' caches copied to the host (swap_space_gib)
+    swapped_in: int  # ... written back for their next turn
+    swap_dropped: int  # ... dropped from the host to stay within the budget
     waiting: int
     active_slots: int
     policy_version: int
@@ -270,6 +273,9 @@ class Engine:
             decode_steps=c.decode_steps if c else 0,
             completed=c.completed if c else 0,
             evictions=c.evictions if c else 0,
+            swapped_out=c.swapped_out if c else 0,
+            swapped_in=c.swapped_in if c else 0,
+            swap_dropped=c.swap_dropped if c else 0,
             waiting=len(s.waiting) if s else 0,
             active_slots=int(s.decoding.sum()) + len(s.prefilling) if s else 0,
             policy_version=self.policy_version,

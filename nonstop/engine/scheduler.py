@@ -15,8 +15,12 @@ A slot is free, held by a running request, or held by an idle session whose KV c
 session's next turn prefills only what follows their longest common prefix with the new prompt
 (at least one token: the logits of the last prompt token are needed). Without a free slot the
 least recently used idle session is evicted; its next turn then prefills from scratch, which
-gives the same tokens. Stale cache entries beyond a slot's valid prefix are never read: every
-row attends only to positions <= its own, and writes its own position first.
+gives the same tokens. With `EngineConfig.swap_space_gib` > 0 its keys and values are first
+copied to the host (least recently evicted copies dropped first) and written back into whichever
+slot its next turn gets, so that turn prefills only its new tokens; the restored cache is bit
+for bit the one computed before. Stale cache entries beyond a slot's
+valid prefix are never read: every row attends only to positions <= its own, and writes its own
+position first.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from nonstop.engine.types import Completion, EngineError, FinishReason, RequestE
 _log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
+SWAP = "engine/swap"  # span: an evicted session's cache copied to the host, or back
 
 
 class Detokenizer(Protocol):
@@ -66,6 +71,7 @@ class Session:
         self.slot: int | None = None
         self.busy = False
         self.last_used = 0.0
+        self.swapped: SwappedCache | None = None  # its cache on the host, after an eviction
 
     def close(self) -> None:
         if not self.closed:
@@ -80,6 +86,17 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session(id={self.id}, slot={self.slot}, closed={self.closed})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwappedCache:
+    """An evicted session's cache on the host: the tokens and, per layer, their keys and
+    values [K, len(tokens), H]."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray, ...]
+    nbytes: int
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,6 +154,9 @@ class Counters:
     decode_steps: int = 0
     completed: int = 0
     evictions: int = 0
+    swapped_out: int = 0  # evicted sessions' caches copied to the host
+    swapped_in: int = 0  # ... and written back for their next turn
+    swap_dropped: int = 0  # ... dropped from the host to stay within swap_space_gib
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -183,6 +203,9 @@ class Scheduler(threading.Thread):
         self.top_p = np.ones(S, np.float32)
         self.seeds = np.zeros(S, np.uint32)
         self.steps = np.zeros(S, np.int32)
+        self.swap_budget = int(config.swap_space_gib * 2**30)
+        self.swap_bytes = 0
+        self.swapped: collections.OrderedDict[Session, None] = collections.OrderedDict()
 
     # ---------------------------------------------------------------- from other threads
 
@@ -203,7 +226,8 @@ class Scheduler(threading.Thread):
     def run(self) -> None:
         try:
             self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes,
-                                            self.config.attention_lengths)
+                                            self.config.attention_lengths,
+                                            swap=self.swap_budget > 0)
         except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
             self.startup_error = error
             self.ready.set()
@@ -272,8 +296,9 @@ class Scheduler(threading.Thread):
                 req.session.busy = False
 
     def _close_session(self, session: Session) -> None:
-        if session.slot is not None and not session.busy:
+        if not session.busy:
             self._drop_session_cache(session)
+            self._drop_swapped(session)
 
     def _drop_session_cache(self, session: Session) -> None:
         s = session.slot
@@ -295,9 +320,41 @@ class Scheduler(threading.Thread):
             return None
         victim = min(idle, key=lambda o: o.last_used)
         slot = victim.slot
+        assert slot is not None
+        if not self._swap_out(victim, slot):
+            return None
         self._drop_session_cache(victim)
         self.counters.evictions += 1
         return slot
+
+    def _swap_out(self, session: Session, slot: int) -> bool:
+        """Copy an evicted session's cache to the host if the budget allows (False: the
+        device failed, and every slot with it)."""
+        tokens = self.slot_tokens[slot]
+        nbytes = len(tokens) * self.device.slot_position_bytes()
+        if not tokens or nbytes > self.swap_budget:
+            return True
+        while self.swap_bytes + nbytes > self.swap_budget:
+            self._drop_swapped(next(iter(self.swapped)))
+            self.counters.swap_dropped += 1
+        try:
+            with perf.span(SWAP, direction="out", tokens=len(tokens)):
+                keys, values = self.device.read_slot(self.cache, slot, len(tokens))
+        except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
+            self._device_failure(error)
+            return False
+        session.swapped = SwappedCache(tokens=tuple(tokens), keys=keys, values=values,
+                                       nbytes=nbytes)
+        self.swapped[session] = None
+        self.swap_bytes += nbytes
+        self.counters.swapped_out += 1
+        return True
+
+    def _drop_swapped(self, session: Session) -> None:
+        if session.swapped is not None:
+            self.swap_bytes -= session.swapped.nbytes
+            session.swapped = None
+            del self.swapped[session]
 
     def _admit(self) -> None:
         if not self.waiting:
@@ -321,6 +378,19 @@ class Scheduler(threading.Thread):
         if req.session is not None:
             self.slot_owner[slot] = req.session
             req.session.slot = slot
+            swapped = req.session.swapped
+            if swapped is not None:
+                self._drop_swapped(req.session)
+                if not cached and req.image_features is None:
+                    try:
+                        with perf.span(SWAP, direction="in", tokens=len(swapped.tokens)):
+                            self.cache = self.device.write_slot(self.cache, slot, swapped.keys,
+                                                                swapped.values)
+                    except Exception as error:  # noqa: BLE001 - fails this and every slot
+                        self._device_failure(error)
+                        return
+                    cached.extend(swapped.tokens)
+                    self.counters.swapped_in += 1
         else:
             cached.clear()
         n = min(_common_prefix(cached, req.prompt), len(req.prompt) - 1)
@@ -545,6 +615,8 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):  # caches computed by the old weights
             if owner is not None:
                 self._drop_session_cache(owner)
+        for session in list(self.swapped):
+            self._drop_swapped(session)
         self.waiting.extendleft(reversed(running))
 
     def _device_failure(self, error: BaseException) -> None:

@@ -62,3 +62,11 @@ def test_attention_lengths_are_rounded_quarters_of_the_cache():
     assert EngineConfig(max_len=10, decode_buckets=8).attention_lengths == (10,)
     with pytest.raises(EngineConfigError, match="decode_buckets"):
         EngineConfig(decode_buckets=0)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "4"])
+def test_swap_space_must_be_a_number_of_gib(bad):
+    with pytest.raises(EngineConfigError, match="swap_space_gib"):
+        EngineConfig(swap_space_gib=bad)
+    assert EngineConfig().swap_space_gib == 0  # off by default
+    assert EngineConfig(swap_space_gib=2).swap_space_gib == 2

@@ -1,5 +1,6 @@
 """The engine's behaviour: concurrency, cancellation, stops, limits, bad input, seeds, sessions,
-and no compilation after warm-up. One tiny Llama engine (3 slots) is shared by the module."""
+and no compilation after warm-up. One tiny Llama engine (3 slots, evicted sessions swapped to the
+host) is shared by the module."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                tokenizer=LetterTokenizer()) as e:
+                swap_space_gib=0.01, tokenizer=LetterTokenizer()) as e:
         yield e
 
 
@@ -182,9 +183,12 @@ def test_session_prefills_only_new_tokens_with_and_without_eviction(engine):
         for i, other in enumerate(others):
             engine.generate_sync(_prompt(3, seed=i), params, session=other)
         assert engine.stats().evictions > evictions
+        swapped_in = engine.stats().swapped_in
         third_context = context + list(second.tokens) + [11, 12]
         third = engine.generate_sync(third_context, params, session=session)
-        assert third.num_cached == 0 and third.num_prefilled == len(third_context)
+        # Its cache went to the host and came back: again only the new tokens are prefilled.
+        assert engine.stats().swapped_in == swapped_in + 1
+        assert third.num_prefilled == 2 + 1 and third.num_cached == len(third_context) - 3
         assert third.tokens == engine.generate_sync(third_context, params).tokens
         for other in others:
             other.close()
@@ -298,3 +302,78 @@ def test_admission_with_every_slot_taken_still_seats_a_sessions_own_slot(model):
     sched._release(busy[0])
     sched._admit()
     assert queued[0].slot == freed and list(sched.waiting) == [queued[1]]
+
+
+def _two_turns(engine, *, evict):
+    """A session's two turns, with every slot taken by other sessions in between if `evict`."""
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    prompt = _prompt(11, seed=9)
+    with engine.session() as session:
+        first = engine.generate_sync(prompt, params, session=session)
+        others = [engine.session() for _ in range(SLOTS if evict else 0)]
+        for i, other in enumerate(others):
+            engine.generate_sync(_prompt(3, seed=i), params, session=other)
+        second = engine.generate_sync(prompt + list(first.tokens) + [7, 8, 9], params,
+                                      session=session)
+        for other in others:
+            other.close()
+    return second
+
+
+def test_a_swapped_session_cache_is_bit_exact_and_without_swap_it_is_recomputed(engine, model):
+    kept = _two_turns(engine, evict=False)
+    before = engine.stats()
+    swapped = _two_turns(engine, evict=True)
+    after = engine.stats()
+    assert after.evictions > before.evictions and after.swapped_in == before.swapped_in + 1
+    # The restored keys and values are the ones computed before: identical results.
+    assert swapped.num_cached == kept.num_cached == 11 + 4
+    assert swapped.tokens == kept.tokens and swapped.logprobs == kept.logprobs
+    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32)) as off:
+        recomputed = _two_turns(off, evict=True)
+        assert off.stats().evictions >= 1 and off.stats().swapped_out == 0
+        assert "read_slot" not in off.stats().traces  # nothing compiled for it
+    assert recomputed.num_cached == 0 and recomputed.num_prefilled == 11 + 5 + 3
+    assert recomputed.tokens == kept.tokens
+    np.testing.assert_allclose(recomputed.logprobs, kept.logprobs, atol=1e-4)
+
+
+def test_swap_round_trip_and_budget(model):
+    """The device's slot read and write, and the host budget, driven by hand."""
+    from nonstop.engine.config import EngineConfig
+    from nonstop.engine.device import DeviceSteps
+    from nonstop.engine.scheduler import Scheduler
+
+    device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN)
+    cfg = model.cfg
+    per = device.slot_position_bytes()
+    assert per == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_kv_heads, 6, cfg.head_dim)
+    keys = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(cfg.num_layers))
+    values = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(cfg.num_layers))
+    cache = device.write_slot(device.new_cache(), 1, keys, values)
+    got_k, got_v = device.read_slot(cache, 1, 6)
+    for a, b in zip(got_k + got_v, keys + values, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.asarray(cache.keys[0][0]).any()  # other slots untouched
+    assert not np.asarray(cache.keys[0][1, :, 6:]).any()  # the rest of the row zeroed
+
+    sched = Scheduler(device, device.initial_state, 0, EngineConfig(
+        max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8,),
+        swap_space_gib=10.5 * per / 2**30), None)
+    sched.cache = cache
+    a, b, c = (Session(sched, i) for i in range(3))
+    sched.slot_tokens[0], sched.slot_tokens[1], sched.slot_tokens[2] = [5] * 4, [6] * 6, [7] * 11
+    assert sched._swap_out(a, 0) and sched.swap_bytes == 4 * per
+    assert sched._swap_out(b, 1) and sched.swap_bytes == 10 * per
+    np.testing.assert_array_equal(b.swapped.keys[0], keys[0])
+    assert sched._swap_out(c, 2)  # 11 positions never fit: not copied, nothing dropped
+    assert c.swapped is None and sched.counters.swap_dropped == 0
+    sched.slot_tokens[2] = [7] * 3
+    assert sched._swap_out(c, 2)  # 13 > 10: the least recently evicted (a) is dropped
+    assert a.swapped is None and b.swapped.tokens == (6,) * 6 and c.swapped.tokens == (7,) * 3
+    assert sched.counters.swap_dropped == 1 and sched.swap_bytes == 9 * per
+    assert list(sched.swapped) == [b, c]
+    sched._close_session(b)  # a closed session's host copy goes too
+    assert b.swapped is None and sched.swap_bytes == 3 * per
