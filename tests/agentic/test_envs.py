@@ -122,7 +122,9 @@ def test_calculator_demonstration_renders_in_every_format():
 
 
 def test_python_env_demonstrations_and_a_failing_program():
-    sandbox = Sandbox(SandboxConfig(timeout_s=2.0, cpu_s=2, memory_mb=128, max_concurrency=2))
+    # cpu_s above timeout_s: a one-thread loop cannot spend 5 CPU seconds in 2 wall seconds, so
+    # the wall clock always fires first (equal limits raced; the CPU limit has its own test).
+    sandbox = Sandbox(SandboxConfig(timeout_s=2.0, cpu_s=5, memory_mb=128, max_concurrency=2))
 
     async def main():
         env = PythonEnv(sandbox=sandbox)
