@@ -8,8 +8,8 @@
 from nonstop.engine.config import EngineConfig, EngineConfigError
 from nonstop.engine.engine import Engine, EngineStats
 from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
+from nonstop.engine.requests import Detokenizer, Session
 from nonstop.engine.sampling import SamplingParams
-from nonstop.engine.scheduler import Detokenizer, Session
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
 
 __all__ = [

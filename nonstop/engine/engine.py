@@ -36,8 +36,9 @@ from jax.sharding import Mesh
 from nonstop.engine.config import EngineConfig, EngineConfigError
 from nonstop.engine.device import SAMPLER_TRACES, DeviceSteps
 from nonstop.engine.images import check_image_prompt
+from nonstop.engine.requests import Detokenizer, Request, Resolve, Session
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
-from nonstop.engine.scheduler import Detokenizer, Request, Resolve, Scheduler, Session
+from nonstop.engine.scheduler import Scheduler
 from nonstop.engine.types import Completion, EngineError, RequestError
 from nonstop.models import Decoder, Gemma3VLM
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 from nonstop import perf
 from nonstop.engine import Engine, EngineError, RequestError, SamplingParams
-from nonstop.engine.scheduler import Session
+from nonstop.engine.requests import Session
 from nonstop.models import ModelConfig, init_decoder
 
 MAX_LEN = 64
@@ -266,7 +266,8 @@ def test_admission_with_every_slot_taken_still_seats_a_sessions_own_slot(model):
     session whose turn is waiting still gets the slot it holds, ahead of the queue."""
     from nonstop.engine.config import EngineConfig
     from nonstop.engine.device import DeviceSteps
-    from nonstop.engine.scheduler import Request, Scheduler
+    from nonstop.engine.requests import Request
+    from nonstop.engine.scheduler import Scheduler
 
     device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN)
     sched = Scheduler(device, device.initial_state, 0,

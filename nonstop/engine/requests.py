@@ -1,0 +1,136 @@
+"""What the scheduler thread tracks per request and per session, and its counters.
+
+`Request` is one generation in flight, `Session` a multi-turn episode's claim on a slot's KV
+cache between its turns (and, after an eviction with swapping on, its `SwappedCache` on the
+host), `LaunchedStep` a decode step whose tokens the host has not read yet. All are mutated only
+by the scheduler thread once submitted (`scheduler.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from nonstop.engine.device import StepOutput
+from nonstop.engine.types import Completion
+
+if TYPE_CHECKING:
+    from nonstop.engine.scheduler import Scheduler
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+Resolve = Callable[[Completion | BaseException], None]
+
+
+class Session:
+    """A multi-turn episode's claim on one slot's KV cache between its turns.
+
+    Pass it to `Engine.generate(..., session=...)` for every turn, each time with the whole
+    context so far; `close()` (or leaving `with session:`) releases the slot.
+    """
+
+    def __init__(self, scheduler: Scheduler, session_id: int) -> None:
+        self.id = session_id
+        self._scheduler = scheduler
+        self.closed = False
+        # Owned by the scheduler thread:
+        self.slot: int | None = None
+        self.busy = False
+        self.last_used = 0.0
+        self.swapped: SwappedCache | None = None  # its cache on the host, after an eviction
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._scheduler.post(("close", self))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id}, slot={self.slot}, closed={self.closed})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwappedCache:
+    """An evicted session's cache on the host: the tokens and, per layer, their keys and
+    values [K, len(tokens), H]."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation in flight; mutated only by the scheduler thread after submission."""
+
+    prompt: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # uint32
+    max_tokens: int | None
+    stop_ids: frozenset[int]
+    stop: tuple[str, ...]
+    session: Session | None
+    resolve: Resolve
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Image soft tokens float32[num_image_tokens, D] of a vision-language prompt (engine/images.py).
+    image_features: np.ndarray | None = None
+    slot: int = -1
+    prefill_pos: int = 0
+    num_cached: int = 0
+    num_prefilled: int = 0
+    first_token_at: float | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+    epoch: int = 0  # bumped by restart(): decode steps launched before it are dropped
+
+    def restart(self) -> None:
+        self.epoch += 1
+        self.slot, self.prefill_pos, self.num_cached, self.num_prefilled = -1, 0, 0, 0
+        self.first_token_at = None
+        for seq in (self.tokens, self.logprobs, self.sampling_logprobs, self.versions):
+            seq.clear()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchedStep:
+    """A decode step on the device whose tokens the host has not read yet."""
+
+    out: StepOutput  # device arrays
+    rows: tuple[tuple[int, Request, int], ...]  # (slot, request, request epoch) fed this step
+    version: int  # the policy version of the weights it runs on
+    launched_ns: int
+
+
+@dataclasses.dataclass
+class Counters:
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    completed: int = 0
+    evictions: int = 0
+    swapped_out: int = 0  # evicted sessions' caches copied to the host
+    swapped_in: int = 0  # ... and written back for their next turn
+    swap_dropped: int = 0  # ... dropped from the host to stay within swap_space_gib
+
+
+__all__ = ["Counters", "Detokenizer", "LaunchedStep", "Request", "Resolve", "Session",
+           "SwappedCache"]
