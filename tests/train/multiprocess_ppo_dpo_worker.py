@@ -17,11 +17,15 @@ Both layouts take the same steps on the same global batches, so their results mu
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
-from tests.train.multiprocess_worker import REPO_ROOT, save_tree, shard_trajectories
+from tests.train.multiprocess_worker import (
+    REPO_ROOT,
+    save_tree,
+    shard_trajectories,
+    start_worker,
+)
 
 SHARDS = 2  # PPO shards (one per process in the 2-process run)
 PPO_STEPS = 3
@@ -30,29 +34,12 @@ PPO_STATS = ("advantage_mean_raw", "advantage_std_raw", "reward_kl", "loss", "va
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--process-id", type=int, default=0)
-    parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args()
-    # Before jax is imported: the device count is read once, when the CPU backend starts.
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.makedirs(args.out, exist_ok=True)
-
     from nonstop.train import distributed
 
-    cfg = None
-    if args.num_processes > 1:
-        cfg = distributed.DistributedConfig(
-            coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-            process_id=args.process_id, initialization_timeout_s=60)
-    distributed.initialize(cfg)
-    run_ppo(args.out)
-    run_sequence_kl(args.out)
-    run_dpo(args.out)
+    out = start_worker()
+    run_ppo(out)
+    run_sequence_kl(out)
+    run_dpo(out)
     distributed.barrier("worker done")
 
 

@@ -27,7 +27,10 @@ SHARDS = 2  # trajectory shards of the GRPO global batch (one per process in the
 GRPO_STEPS = 3
 
 
-def main() -> None:
+def start_worker() -> str:
+    """Parse a worker's command line (OUT, --devices, --process-id, --num-processes, --port),
+    force its CPU devices, create OUT and join `jax.distributed` if it is one of several.
+    Returns OUT. Shared by every multi-process test worker."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, required=True)
@@ -48,10 +51,17 @@ def main() -> None:
             coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
             process_id=args.process_id, initialization_timeout_s=60)
     distributed.initialize(cfg)
-    run_sft(args.out)
-    run_grpo(args.out)
-    run_rl_recipe(args.out)
-    run_agentic_recipe(args.out)
+    return args.out
+
+
+def main() -> None:
+    from nonstop.train import distributed
+
+    out = start_worker()
+    run_sft(out)
+    run_grpo(out)
+    run_rl_recipe(out)
+    run_agentic_recipe(out)
     distributed.barrier("worker done")
 
 

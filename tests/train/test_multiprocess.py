@@ -34,13 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: str, devices: int, process_id: int = 0, num_processes: int = 1,
+def launch(worker: str, out: str, devices: int, process_id: int = 0, num_processes: int = 1,
            port: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.train.multiprocess_worker", out, "--devices", str(devices),
+    """Start `python -m worker OUT ...` (a worker built on `start_worker`), logging to
+    OUT_<process id>.log."""
+    cmd = [sys.executable, "-m", worker, out, "--devices", str(devices),
            "--process-id", str(process_id), "--num-processes", str(num_processes),
            "--port", str(port)]
-    log = open(os.path.join(os.path.dirname(out), f"{os.path.basename(out)}_{process_id}.log"),
-               "w")
+    log = open(f"{out}_{process_id}.log", "w")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -58,17 +59,22 @@ def wait_all(procs: list[subprocess.Popen], out: str) -> None:
         pytest.fail(f"worker(s) failed with {codes}:\n{logs}")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[str, str]:
-    base = tmp_path_factory.mktemp("multiprocess")
+def run_single_and_multi(worker: str, base) -> tuple[str, str]:
+    """`worker` as one process on 4 devices and as two of 2 devices each; their OUT dirs."""
     single, multi = str(base / "single"), str(base / "multi")
     port = free_port()
     # All three at once: much of each worker's time is single-threaded (start-up, tracing).
-    multi_procs = [launch(multi, 2, i, 2, port) for i in range(2)]
-    single_proc = launch(single, 4)
+    multi_procs = [launch(worker, multi, 2, i, 2, port) for i in range(2)]
+    single_proc = launch(worker, single, 4)
     wait_all(multi_procs, multi)
     wait_all([single_proc], single)
     return single, multi
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[str, str]:
+    return run_single_and_multi("tests.train.multiprocess_worker",
+                                tmp_path_factory.mktemp("multiprocess"))
 
 
 def load(path: str) -> dict[str, np.ndarray]:

@@ -13,43 +13,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tests.train.multiprocess_ppo_dpo_worker import PPO_STATS, PPO_STEPS
-from tests.train.test_multiprocess import (
-    REPO_ROOT,
-    TOLERANCE,
-    free_port,
-    load,
-    max_abs_diff,
-    wait_all,
-)
-
-
-def launch(out: str, devices: int, process_id: int = 0, num_processes: int = 1,
-           port: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.train.multiprocess_ppo_dpo_worker", out, "--devices",
-           str(devices), "--process-id", str(process_id), "--num-processes", str(num_processes),
-           "--port", str(port)]
-    log = open(f"{out}_{process_id}.log", "w")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+from tests.train.test_multiprocess import TOLERANCE, load, max_abs_diff, run_single_and_multi
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[str, str]:
-    base = tmp_path_factory.mktemp("multiprocess_ppo_dpo")
-    single, multi = str(base / "single"), str(base / "multi")
-    port = free_port()
-    multi_procs = [launch(multi, 2, i, 2, port) for i in range(2)]
-    single_proc = launch(single, 4)
-    wait_all(multi_procs, multi)
-    wait_all([single_proc], single)
-    return single, multi
+    return run_single_and_multi("tests.train.multiprocess_ppo_dpo_worker",
+                                tmp_path_factory.mktemp("multiprocess_ppo_dpo"))
 
 
 def test_ppo_two_processes_equal_one(runs):
