@@ -43,7 +43,7 @@ from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import init_decoder
 from nonstop.models.lora import apply_lora, has_lora, merge_lora
 from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, quantize_model
-from nonstop.models.sharding import DEFAULT_RULES, make_mesh
+from nonstop.models.sharding import DEFAULT_RULES
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.sft import reference as ref_cache
 from nonstop.sft.config import SFTRunConfig
@@ -112,20 +112,8 @@ def compute_dtype(cfg: SFTRunConfig) -> jnp.dtype:
 
 
 def build_mesh(cfg: SFTRunConfig) -> Mesh | None:
-    """The (data, fsdp, tp) mesh over the first devices, or None for a single device; under
-    `jax.distributed` with several processes, the global mesh over all of their devices."""
-    n = cfg.mesh.num_devices
-    if jax.process_count() > 1:
-        return distributed.global_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
-    if n == 1:
-        return None
-    if n > len(jax.devices()):
-        raise ValueError(
-            f"mesh data={cfg.mesh.data} x fsdp={cfg.mesh.fsdp} x tp={cfg.mesh.tp} needs {n} "
-            f"devices; {len(jax.devices())} are available"
-        )
-    return make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp,
-                     devices=jax.devices()[:n])
+    """The (data, fsdp, tp) mesh of `cfg.mesh` (`distributed.trainer_mesh`); None: one device."""
+    return distributed.trainer_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
 
 
 def model_config(cfg: SFTRunConfig, tokenizer: Tokenizer) -> ModelConfig:

@@ -56,7 +56,6 @@ from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM
-from nonstop.models.sharding import make_mesh
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.vision import VISION_LORA_TARGETS, apply_vision_lora, merge_vision_lora
 from nonstop.sft.config import MeshSettings
@@ -251,18 +250,8 @@ def make_loss_fn(cfg: VisionTrainConfig) -> LossFn:
 
 
 def build_mesh(cfg: VisionTrainConfig) -> Mesh | None:
-    """The (data, fsdp, tp) mesh over the first devices, or None for a single device; under
-    `jax.distributed` with several processes, the global mesh over all of their devices."""
-    data, fsdp, tp = cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tp
-    if jax.process_count() > 1:
-        return distributed.global_mesh(data=data, fsdp=fsdp, tp=tp)
-    n = cfg.mesh.num_devices
-    if n == 1:
-        return None
-    if n > len(jax.devices()):
-        raise ValueError(f"VisionTrainConfig.mesh data={data} x fsdp={fsdp} x tp={tp} needs {n} "
-                         f"devices; {len(jax.devices())} are available: shrink the mesh")
-    return make_mesh(data=data, fsdp=fsdp, tp=tp, devices=jax.devices()[:n])
+    """The (data, fsdp, tp) mesh of `cfg.mesh` (`distributed.trainer_mesh`); None: one device."""
+    return distributed.trainer_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
 
 
 @dataclasses.dataclass(frozen=True)

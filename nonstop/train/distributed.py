@@ -154,6 +154,20 @@ def global_mesh(*, data: int = 1, fsdp: int = 1, tp: int = 1) -> Mesh:
     return make_mesh(data=data, fsdp=fsdp, tp=tp, devices=devices)
 
 
+def trainer_mesh(*, data: int = 1, fsdp: int = 1, tp: int = 1) -> Mesh | None:
+    """A trainer's mesh: with several processes the global mesh over all of their devices;
+    with one, None for a single device, else the mesh over the first data x fsdp x tp devices."""
+    if jax.process_count() > 1:
+        return global_mesh(data=data, fsdp=fsdp, tp=tp)
+    n = data * fsdp * tp
+    if n == 1:
+        return None
+    if n > len(jax.devices()):
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tp={tp} needs {n} devices; "
+                         f"{len(jax.devices())} are available: shrink the mesh")
+    return make_mesh(data=data, fsdp=fsdp, tp=tp, devices=jax.devices()[:n])
+
+
 def logical_partition_specs(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
                             ) -> Callable[[nnx.State], PyTree]:
     """For `state_shardings`: each variable's PartitionSpec from its logical axes and `rules`
@@ -304,6 +318,7 @@ __all__ = [
     "batch_sharding",
     "place_train_state",
     "sum_over_processes",
+    "trainer_mesh",
     "fetch",
     "global_batch",
     "global_batch_from_full",
