@@ -69,7 +69,11 @@ class SwappedCache:
     tokens: tuple[int, ...]
     keys: tuple[np.ndarray, ...]
     values: tuple[np.ndarray, ...]
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory it holds (what counts against `swap_space_gib`)."""
+        return sum(x.nbytes for x in (*self.keys, *self.values))
 
 
 @dataclasses.dataclass(eq=False)

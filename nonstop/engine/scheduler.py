@@ -18,9 +18,8 @@ least recently used idle session is evicted; its next turn then prefills from sc
 gives the same tokens. With `EngineConfig.swap_space_gib` > 0 its keys and values are first
 copied to the host (least recently evicted copies dropped first) and written back into whichever
 slot its next turn gets, so that turn prefills only its new tokens; the restored cache is bit
-for bit the one computed before. Stale cache entries beyond a slot's
-valid prefix are never read: every row attends only to positions <= its own, and writes its own
-position first.
+for bit the one computed before. Stale cache entries beyond a slot's valid prefix are never
+read: every row attends only to positions <= its own, and writes its own position first.
 """
 
 from __future__ import annotations
@@ -239,8 +238,7 @@ class Scheduler(threading.Thread):
         except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
             self._device_failure(error)
             return False
-        session.swapped = SwappedCache(tokens=tuple(tokens), keys=keys, values=values,
-                                       nbytes=nbytes)
+        session.swapped = SwappedCache(tokens=tuple(tokens), keys=keys, values=values)
         self.swapped[session] = None
         self.swap_bytes += nbytes
         self.counters.swapped_out += 1

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from nonstop import perf
 from nonstop.models.checkpoint import load_pretrained, save_pretrained
@@ -43,7 +43,6 @@ from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import init_decoder
 from nonstop.models.lora import apply_lora, has_lora, merge_lora
 from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, quantize_model
-from nonstop.models.sharding import DEFAULT_RULES
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.sft import reference as ref_cache
 from nonstop.sft.config import SFTRunConfig
@@ -62,7 +61,7 @@ from nonstop.train.batch import TrainBatch
 from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
 from nonstop.train.metrics import MetricsWriter
 from nonstop.train.optim import build_optimizer, build_schedule
-from nonstop.train.state import TrainState, state_shardings
+from nonstop.train.state import TrainState
 from nonstop.train.step import LossFn, TrainStep, make_train_step
 
 EXPORT_DIR = "export"
@@ -179,20 +178,14 @@ def make_loss_fn(cfg: SFTRunConfig) -> LossFn:
     return sft_loss_fn(dropout=dropout)
 
 
-def _partition_specs(mesh: Mesh) -> Callable[[nnx.State], Any]:
-    """Per variable, the PartitionSpec its logical axes map to (replicated without axes)."""
-    return distributed.logical_partition_specs(mesh, DEFAULT_RULES)
-
-
 def setup_step(cfg: SFTRunConfig, state: TrainState, mesh: Mesh | None) -> StepSetup:
     """The jitted step for `cfg` and the state placed on `mesh` (unchanged without one)."""
     optimizer = build_optimizer(cfg.optimizer)
     kwargs: dict[str, Any] = {}
     batch_sharding = None
     if mesh is not None:
-        shardings = state_shardings(state, mesh, partition_specs=_partition_specs(mesh))
-        batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-        state = distributed.put_global(state, shardings)
+        state, shardings = distributed.place_train_state(state, mesh)
+        batch_sharding = distributed.batch_sharding(mesh)
         kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
     step = make_train_step(make_loss_fn(cfg), optimizer,
                            learning_rate=build_schedule(cfg.optimizer),
