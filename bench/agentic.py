@@ -16,8 +16,14 @@ Modes, same episodes and engine:
 Figures: episodes/s, generated tokens/s, engine busy fraction (engine device-busy spans / wall
 time), median and p99 episode latency, event-loop lag p99 (a 5 ms sleeper), compiles after
 warm-up, and the ratios async/limit and async/sync. Medians over --repeats.
+Episodes/s and busy are given twice: over the whole run, and over its steady state
+(`steady_window`: after one turnover of the episodes that all start together, until the last one
+starts). A training run's orchestrator never drains between steps, so the steady figures are
+what it sees; the whole-run figures also charge each run's ramp-up and drain, which at 1000 ms
+(~900 in flight, ~2.2 s per episode) are a sizeable share of a 20 s run.
 
     python -m bench.agentic [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
+                            [--latencies 200ms 1000ms] [--seconds 20]
 """
 
 from __future__ import annotations
@@ -90,12 +96,13 @@ AGENT = AgentConfig(max_turns=TURNS, max_tokens_per_turn=TURN_TOKENS, ignore_eos
 
 
 async def run_async(engine: Engine, episodes: int, concurrency: int, vocab: int,
-                    latency: Callable[[int, int], float]) -> list[float]:
-    """Episode latencies (s) of `episodes` episodes through the orchestrator (group size 1)."""
+                    latency: Callable[[int, int], float]) -> list[tuple[float, float]]:
+    """(start, end) perf_counter times of `episodes` episodes through the orchestrator (group
+    size 1)."""
     config = OrchestratorConfig(group_size=1, max_concurrency=concurrency, agent=AGENT)
     orchestrator = RolloutOrchestrator(engine, make_factory(vocab, latency), config)
     groups = await orchestrator.run_groups(range(episodes))
-    return [t.info["duration_s"] for g in groups.values() for t in g]
+    return [(t.info["started_at"], t.info["finished_at"]) for g in groups.values() for t in g]
 
 
 async def _sync_turn(engine: Engine, context: list[int], session, episode: int, turn: int,
@@ -111,9 +118,10 @@ async def _sync_turn(engine: Engine, context: list[int], session, episode: int, 
 
 
 async def run_sync(engine: Engine, episodes: int, batch: int, vocab: int,
-                   latency: Callable[[int, int], float]) -> list[float]:
-    """Batch-synchronous turns: a batch generates a turn, then all its tools run, and so on."""
-    durations = []
+                   latency: Callable[[int, int], float]) -> list[tuple[float, float]]:
+    """Batch-synchronous turns: a batch generates a turn, then all its tools run, and so on.
+    Returns each episode's (start, end): its batch's."""
+    times = []
     for start in range(0, episodes, batch):
         t0 = time.perf_counter()
         ids = range(start, min(start + batch, episodes))
@@ -127,13 +135,24 @@ async def run_sync(engine: Engine, episodes: int, batch: int, vocab: int,
                                                   vocab, latency) for e in ids))
         for s in sessions.values():
             s.close()
-        durations += [time.perf_counter() - t0] * len(ids)
-    return durations
+        times += [(t0, time.perf_counter())] * len(ids)
+    return times
 
 
-def measure(engine: Engine, run: Callable[[], object], episodes: int) -> dict[str, float]:
-    """Run one configuration under a fresh perf recorder and compute its figures."""
-    perf.configure(perf.PerfConfig(capacity=4_000_000))
+def steady_window(times: list[tuple[float, float]], concurrency: int) -> tuple[float, float]:
+    """The run's steady state: from when `concurrency` episodes have finished (one turnover of
+    the episodes started together at the beginning) to when the last episode started (after
+    which fewer and fewer are in flight). A long training run lives in this regime; the ramp
+    and the drain of a finite benchmark run happen once per run, not once per batch."""
+    ends = sorted(end for _, end in times)
+    return ends[min(concurrency, len(ends)) - 1], max(start for start, _ in times)
+
+
+def measure(engine: Engine, run: Callable[[], object], episodes: int,
+            concurrency: int) -> dict[str, float]:
+    """Run one configuration under a fresh perf recorder and compute its figures, over the whole
+    run and over its steady state (`steady_window`)."""
+    recorder = perf.configure(perf.PerfConfig(capacity=4_000_000))
     traces = sum(engine.stats().traces.values())
     generated = engine.stats().generated_tokens
 
@@ -141,17 +160,26 @@ def measure(engine: Engine, run: Callable[[], object], episodes: int) -> dict[st
         async with LoopLagMonitor(interval_s=0.005) as lag:
             with perf.span("bench/run") as window:
                 t0 = time.perf_counter()
-                durations = await run()
+                times = await run()
                 wall = time.perf_counter() - t0
-        return durations, wall, lag.quantile(0.99), window.id
+        return times, wall, lag.quantile(0.99), window.id
 
-    durations, wall, lag_p99, window_id = asyncio.run(main())
+    times, wall, lag_p99, window_id = asyncio.run(main())
     events = perf.current().events()
     window = next(e for e in events if e.id == window_id)
     busy = perf.busy_fraction(events, perf.ENGINE, (window.t0, window.t1))
+    a, b = steady_window(times, concurrency)
+    steady = {"steady_s": 0.0, "steady_episodes_per_s": float("nan"),
+              "steady_engine_busy": float("nan")}
+    if b - a > 0.1 * wall:  # too short a steady state (e.g. one sync batch) is not reported
+        ns = (int(a * 1e9) - recorder.anchor_perf_ns, int(b * 1e9) - recorder.anchor_perf_ns)
+        steady = {"steady_s": b - a,
+                  "steady_episodes_per_s": sum(a < end <= b for _, end in times) / (b - a),
+                  "steady_engine_busy": perf.busy_fraction(events, perf.ENGINE, ns)}
+    durations = [end - start for start, end in times]
     tokens = engine.stats().generated_tokens - generated
     return {"episodes_per_s": episodes / wall, "tokens_per_s": tokens / wall,
-            "engine_busy": busy, "latency_p50_s": float(np.median(durations)),
+            "engine_busy": busy, **steady, "latency_p50_s": float(np.median(durations)),
             "latency_p99_s": float(np.quantile(durations, 0.99)), "loop_lag_p99_ms": lag_p99,
             "wall_s": wall, "compiles_after_warmup": sum(engine.stats().traces.values()) - traces}
 
@@ -169,6 +197,10 @@ def main() -> None:
     parser.add_argument("--sync-batch", type=int, default=None)
     parser.add_argument("--size", choices=("small", "large"), default="small")
     parser.add_argument("--max-concurrency", type=int, default=1024)
+    parser.add_argument("--latencies", nargs="+", choices=tuple(LATENCIES),
+                        default=tuple(LATENCIES))
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="target wall time per async configuration (20; 6 with --quick)")
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     slots = args.slots or (16 if args.quick else 32)
@@ -179,14 +211,14 @@ def main() -> None:
     engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
                     prefill_chunks=(16, 64), decode_buckets=4).start()
     vocab = cfg.vocab_size
-    seconds = 6.0 if args.quick else 20.0  # target wall time per async configuration
+    seconds = args.seconds or (6.0 if args.quick else 20.0)
 
     # Warm-up (compiles and the host paths), then the limit: what the engine does unhindered.
     asyncio.run(RolloutOrchestrator(engine, make_factory(vocab, no_wait), OrchestratorConfig(
         group_size=1, max_concurrency=2 * slots, agent=AGENT)).run_groups(range(2 * slots)))
     limit_concurrency = 2 * slots
     probe = measure(engine, functools.partial(run_async, engine, 4 * slots, limit_concurrency,
-                                              vocab, no_wait), 4 * slots)
+                                              vocab, no_wait), 4 * slots, limit_concurrency)
     limit_rate = probe["episodes_per_s"]
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
@@ -194,9 +226,11 @@ def main() -> None:
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
-              f"{'p50 s':>6} {'p99 s':>6} {'lag99 ms':>8} {'compiles':>8}")
+              f"{'steady eps/s':>12} {'busy':>5} {'p50 s':>6} {'p99 s':>6} {'lag99 ms':>8} "
+              f"{'compiles':>8}")
     print(header)
-    for name, (kind, mean_s) in LATENCIES.items():
+    for name in args.latencies:
+        kind, mean_s = LATENCIES[name]
         latency = functools.partial(latency_of, kind, mean_s)
         # Little's law: episodes in flight = throughput x time per episode (+60% headroom).
         concurrency = min(args.max_concurrency, max(limit_concurrency, math.ceil(
@@ -213,11 +247,13 @@ def main() -> None:
             else:
                 run = functools.partial(run_async, engine, episodes, concurrency, vocab, latency)
             n = n_sync if mode == "sync" else episodes
-            results[mode] = median_of([measure(engine, run, n) for _ in range(repeats)])
-            r = results[mode]
             conc = sync_batch if mode == "sync" else concurrency
+            results[mode] = median_of([measure(engine, run, n, conc) for _ in range(repeats)])
+            r = results[mode]
             print(f"{name:>15} {mode:>6} {conc:>5} {r['episodes_per_s']:8.1f} "
-                  f"{r['tokens_per_s']:8.0f} {r['engine_busy']:5.2f} {r['latency_p50_s']:6.2f} "
+                  f"{r['tokens_per_s']:8.0f} {r['engine_busy']:5.2f} "
+                  f"{r['steady_episodes_per_s']:12.1f} {r['steady_engine_busy']:5.2f} "
+                  f"{r['latency_p50_s']:6.2f} "
                   f"{r['latency_p99_s']:6.2f} {r['loop_lag_p99_ms']:8.1f} "
                   f"{r['compiles_after_warmup']:8.0f}")
             rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
@@ -226,10 +262,15 @@ def main() -> None:
         a = results["async"]["episodes_per_s"]
         ratio_limit, ratio_sync = a / results["limit"]["episodes_per_s"], a / \
             results["sync"]["episodes_per_s"]
-        print(f"{name:>15} ratios: async/limit {ratio_limit:.2f}  async/sync {ratio_sync:.2f}")
+        steady = {m: results[m]["steady_episodes_per_s"] for m in results}
+        steady_limit, steady_sync = (steady["async"] / steady["limit"],
+                                     steady["async"] / steady["sync"])
+        print(f"{name:>15} ratios: async/limit {ratio_limit:.2f}  async/sync {ratio_sync:.2f}  "
+              f"steady: async/limit {steady_limit:.2f}  async/sync {steady_sync:.2f}")
         rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
                      "mode": "ratios", "async_over_limit": ratio_limit,
-                     "async_over_sync": ratio_sync, "concurrency": concurrency,
+                     "async_over_sync": ratio_sync, "steady_async_over_limit": steady_limit,
+                     "steady_async_over_sync": steady_sync, "concurrency": concurrency,
                      "slots": slots})
     engine.stop()
     if args.out:
