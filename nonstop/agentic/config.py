@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from nonstop.rl.config import RLAlgorithmConfig
+from nonstop.rl.config import OverlongConfig, RLAlgorithmConfig
 
-GroupAdvantage = Literal["grpo", "dr_grpo", "rloo"]
+# "none": the queue sets no advantage; PPO's per-token advantages come from its critic (GAE)
+# inside the trainer.
+GroupAdvantage = Literal["grpo", "dr_grpo", "rloo", "none"]
 
 
 class AgenticConfigError(ValueError):
@@ -90,31 +92,36 @@ class OrchestratorConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupQueueConfig:
     """Complete groups waiting for the consumer: at most `capacity` of them (the producer waits
-    beyond that). Each group gets `advantage` advantages; `dynamic_sampling` drops groups whose
-    rewards are all equal (DAPO). Groups with a failed episode are always dropped."""
+    beyond that). Each group gets `advantage` advantages ("none": left to the trainer's critic);
+    `overlong` adds DAPO's soft overlong punishment to each episode's reward first (by its
+    sampled tokens over all turns); `dynamic_sampling` then drops groups whose rewards are all
+    equal (DAPO). Groups with a failed episode are always dropped."""
 
     group_size: int = 4
     capacity: int = 16
     advantage: GroupAdvantage = "grpo"
     std_eps: float = 1e-6
     dynamic_sampling: bool = False
+    overlong: OverlongConfig | None = None
 
     def __post_init__(self) -> None:
         owner = "GroupQueueConfig"
         _check(self.group_size >= 1, owner, "group_size", self.group_size, "an int >= 1")
         _check(self.capacity >= 1, owner, "capacity", self.capacity, "an int >= 1")
         _check(self.advantage in get_args(GroupAdvantage), owner, "advantage", self.advantage,
-               f"one of {get_args(GroupAdvantage)} (GAE needs a value model, not a group)")
+               f"one of {get_args(GroupAdvantage)}")
         _check(self.std_eps > 0, owner, "std_eps", self.std_eps, "> 0")
 
     @classmethod
     def for_algorithm(cls, algorithm: RLAlgorithmConfig, *, group_size: int,
                       capacity: int = 16) -> GroupQueueConfig:
-        """The queue an RL algorithm needs: its advantage estimator and dynamic sampling."""
+        """The queue an RL algorithm needs: its group advantage estimator (none for GAE, whose
+        advantages the trainer's critic gives per token), overlong shaping, dynamic sampling."""
+        estimator = algorithm.advantage.estimator
         return cls(group_size=group_size, capacity=capacity,
-                   advantage=algorithm.advantage.estimator,  # type: ignore[arg-type]
+                   advantage="none" if estimator == "gae" else estimator,  # type: ignore[arg-type]
                    std_eps=algorithm.advantage.std_eps,
-                   dynamic_sampling=algorithm.dynamic_sampling)
+                   dynamic_sampling=algorithm.dynamic_sampling, overlong=algorithm.overlong)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,9 +5,11 @@
     group = await queue.get()            # the next complete group, in completion order
 
 Episodes are held by `group_id` until `group_size` of them have arrived. The group is then
-scored — its advantages computed by `nonstop.rl.episode_advantages` in a worker thread, so the
-event loop never blocks on it — filtered (a group with a failed episode is dropped; with dynamic
-sampling, so is a group whose rewards are all equal) and, if kept, made ready. Groups come out
+scored in a worker thread, so the event loop never blocks on it — DAPO's overlong punishment (if
+configured) added to each reward, advantages computed by `nonstop.rl.episode_advantages` (none
+for PPO, whose critic gives them per token in the trainer) — filtered (a group with a failed
+episode is dropped; with dynamic sampling, so is a group whose shaped rewards are all equal)
+and, if kept, made ready. Groups come out
 in the order they completed, not the order they started: a short group started late does not
 wait behind a long one.
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from nonstop import perf
 from nonstop.agentic.config import GroupQueueConfig
-from nonstop.rl.advantages import episode_advantages
+from nonstop.rl.advantages import episode_advantages, overlong_penalty
 from nonstop.rl.trajectory import Trajectory
 
 GROUPS_DROPPED = "rollout/groups_dropped"  # counter, tagged reason=...
@@ -43,6 +45,15 @@ def _advantage_fn(estimator: str, std_eps: float) -> Callable[..., jax.Array]:
     """`episode_advantages` for one group, jitted once per estimator (and group size)."""
     return jax.jit(functools.partial(episode_advantages, num_groups=1, estimator=estimator,
                                      std_eps=std_eps))
+
+
+def advantages_of(values: np.ndarray, config: GroupQueueConfig) -> np.ndarray:
+    """float32[G]: one group's advantages of its (shaped) rewards, by `config.advantage`."""
+    if config.advantage == "none":
+        return np.zeros(len(values), np.float32)
+    fn = _advantage_fn(config.advantage, config.std_eps)
+    return np.asarray(fn(np.asarray(values, np.float32), np.zeros(len(values), np.int32)),
+                      np.float32)
 
 
 class QueueClosed(RuntimeError):
@@ -99,13 +110,16 @@ class GroupQueue:
             self._drop(gid, "episode_failed")
             return
         rewards = np.asarray([t.reward for t in members], np.float32)
+        lengths = np.asarray([t.num_sampled for t in members], np.float32)
+        loop = asyncio.get_running_loop()
+        rewards, advantages = await loop.run_in_executor(None, self._score, rewards, lengths)
         if self.config.dynamic_sampling and not np.ptp(rewards) > 0:
             self._drop(gid, "no_reward_variance")
             return
-        loop = asyncio.get_running_loop()
-        advantages = await loop.run_in_executor(None, self._advantages, rewards)
-        for t, a in zip(members, advantages, strict=True):
-            t.advantage = float(a)
+        for t, r, a in zip(members, rewards, advantages, strict=True):
+            if self.config.overlong is not None:
+                t.info["reward_before_overlong"] = t.reward
+            t.reward, t.advantage = float(r), float(a)
         group = ScoredGroup(group_id=gid, trajectories=tuple(members), rewards=rewards,
                             advantages=advantages, completed_at=time.perf_counter())
         if len(self._ready) >= self.config.capacity:
@@ -118,9 +132,11 @@ class GroupQueue:
         self.max_ready = max(self.max_ready, len(self._ready))
         self._notify()
 
-    def _advantages(self, rewards: np.ndarray) -> np.ndarray:
-        fn = _advantage_fn(self.config.advantage, self.config.std_eps)
-        return np.asarray(fn(rewards, np.zeros(rewards.shape[0], np.int32)), np.float32)
+    def _score(self, rewards: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shaped rewards, advantages), float32[G] each."""
+        if self.config.overlong is not None:
+            rewards = rewards + np.asarray(overlong_penalty(lengths, self.config.overlong))
+        return rewards, advantages_of(rewards, self.config)
 
     def _drop(self, group_id: int, reason: str) -> None:
         self.dropped[reason] += 1

@@ -29,6 +29,13 @@ The importance correction for the lag that remains is the trainer's algorithm co
 At max_staleness = 0 the step's groups are exactly the ones admitted for it, and they are trained in
 group-id order, so the streaming learner takes exactly the synchronous learner's steps.
 
+**Algorithms.** Group estimators (GRPO, Dr.GRPO, RLOO, DAPO, GSPO) get their advantages in the
+group queue the moment a group completes. PPO's come per token from its critic (GAE) inside
+`PolicyTrainer.train`, KL penalty included. KL as a reward penalty for a group estimator needs a
+reference pass, which is left to the learner step: it sums each episode's KL to the reference
+(`PolicyTrainer.sequence_kl`) and recomputes the groups' advantages from reward - coef * KL, as
+`nonstop rl`'s batch learner does.
+
 **Sync.** Start the step's groups, wait for all of them (replacing groups the queue dropped),
 train, push the weights, repeat: the barrier most RL libraries have.
 
@@ -51,10 +58,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
+import numpy as np
 
 from nonstop import perf
 from nonstop.agentic.config import LearnerConfig
-from nonstop.agentic.group_queue import GroupQueue, ScoredGroup
+from nonstop.agentic.group_queue import GroupQueue, ScoredGroup, advantages_of
 from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
 from nonstop.engine import Engine
 from nonstop.rl.policy_trainer import PolicyTrainer
@@ -179,11 +187,16 @@ class _Learner:
         for t, lag in zip(trajectories, staleness, strict=True):
             perf.gauge(perf.TRAIN_STALENESS, lag, episode=t.episode_id, step=k)
         t0 = time.perf_counter()
+        kl_sum = 0.0
+        if self.trainer.kl_in_reward and not self.trainer.uses_gae:
+            kl_sum = await asyncio.to_thread(self._penalise_kl, groups)
         metrics = await asyncio.to_thread(self.trainer.train, trajectories)
-        totals = [sum(t.reward for t in trajectories), len(trajectories)]
+        totals = [sum(t.reward for t in trajectories), len(trajectories), kl_sum]
         if self.processes > 1:  # a collective: off the event loop
             totals = await asyncio.to_thread(distributed.sum_over_processes, totals)
-        reward_sum, count = totals
+        reward_sum, count, kl_sum = totals
+        if self.trainer.kl_in_reward and not self.trainer.uses_gae:
+            metrics = {**metrics, "kl_penalty": float(kl_sum / max(count, 1))}
         train_s = time.perf_counter() - t0
         self.version += 1
         published, sync_s = None, 0.0
@@ -199,6 +212,22 @@ class _Learner:
                             published=published)
         self.records.append(record)
         return record
+
+    def _penalise_kl(self, groups: list[ScoredGroup]) -> float:
+        """KL as a reward penalty for a group estimator: each episode's summed KL to the
+        reference (a collective with several processes) times the coefficient, taken off its
+        reward before its group's advantages are recomputed. Returns the penalties' sum."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        coef = self.trainer.algorithm.kl.coef
+        penalties = coef * self.trainer.sequence_kl(trajectories)
+        start = 0
+        for g in groups:
+            penalty = penalties[start:start + len(g.trajectories)]
+            start += len(g.trajectories)
+            advantages = advantages_of(g.rewards - penalty, self.queue.config)
+            for t, p, a in zip(g.trajectories, penalty, advantages, strict=True):
+                t.info["kl_penalty"], t.advantage = float(p), float(a)
+        return float(np.sum(penalties))
 
     def _push(self, version: int) -> None:
         params = self.trainer.policy_params()

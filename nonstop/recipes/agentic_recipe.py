@@ -54,11 +54,15 @@ from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
 from nonstop.perf import busy_fraction, read_events
 from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.rl_recipe import (
+    AlgorithmName,
     EngineSettings,
+    RLRunConfig,
     build_model,
     build_tokenizer,
     multi_host_mesh,
 )
+from nonstop.rl.config import RLAlgorithmConfig
+from nonstop.rl.learner import RolloutConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.sft.config import ModelSource, TokenizerSource
 from nonstop.train import OptimizerConfig, PackingConfig, distributed
@@ -92,8 +96,8 @@ class EnvSettings:
 class AgenticRunConfig:
     """Everything one `nonstop agentic` run needs."""
 
-    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo"] = "grpo"
-    kl_coef: float | None = 0.0
+    algorithm: AlgorithmName = "grpo"
+    kl_coef: float | None = 0.0  # None: the algorithm's default (e.g. PPO's per-token penalty)
     learner: Literal["streaming", "sync"] = "streaming"
     run_dir: str = "runs/agentic"
     seed: int = 0
@@ -111,22 +115,20 @@ class AgenticRunConfig:
     agent: AgentConfig = AgentConfig(max_turns=3, max_tokens_per_turn=96, max_episode_tokens=256)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4, schedule="constant",
                                                  weight_decay=0.0)
+    critic_optimizer: OptimizerConfig | None = None  # ppo's value model; None: `optimizer`
     packing: PackingConfig = PackingConfig(buckets=(320, 512, 1024), rows_per_batch=16,
                                            max_segments_per_row=4, overlong="truncate")
     engine: EngineSettings = EngineSettings(max_slots=64, max_len=512)
 
     def __post_init__(self) -> None:
-        kl = self.algorithm_config().kl
-        if kl.enabled and kl.mode == "reward":
-            raise ValueError(
-                f"algorithm={self.algorithm!r} with kl_coef={kl.coef}: the streaming pipeline "
-                "scores groups as they complete, before any reference pass, so KL as a reward "
-                "penalty is applied only by `nonstop rl`'s batch learner; set kl_coef: 0 here")
+        self.algorithm_config()  # validates the algorithm's settings up front
 
-    def algorithm_config(self):
-        from nonstop.recipes.rl_recipe import RLRunConfig
-
-        return RLRunConfig(algorithm=self.algorithm, kl_coef=self.kl_coef).algorithm_config()
+    def algorithm_config(self) -> RLAlgorithmConfig:
+        """The named preset, with its length constants (Dr.GRPO's normaliser, DAPO's overlong
+        limit) set from the episode's sampled-token budget, `agent.max_episode_tokens`."""
+        budget = RolloutConfig(max_new_tokens=self.agent.max_episode_tokens)
+        return RLRunConfig(algorithm=self.algorithm, kl_coef=self.kl_coef,
+                           rollout=budget).algorithm_config()
 
 
 def make_env(cfg: EnvSettings) -> Environment:
@@ -239,7 +241,8 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
         trainer = PolicyTrainer(model, PolicyTrainerConfig(
-            algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
+            algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer,
+            critic_optimizer=cfg.critic_optimizer, packing=cfg.packing,
             lora_only=cfg.lora is not None, seed=cfg.seed),
             mesh=multi_host_mesh(PlacementConfig()) if processes > 1 else None)
         learner_cfg = LearnerConfig(

@@ -13,6 +13,7 @@ import pytest
 from nonstop.agentic.config import AgenticConfigError, GroupQueueConfig, LearnerConfig
 from nonstop.agentic.group_queue import GroupQueue, QueueClosed
 from nonstop.rl import RLAlgorithmConfig
+from nonstop.rl.config import OverlongConfig
 from nonstop.rl.trajectory import Trajectory
 
 
@@ -147,3 +148,51 @@ def test_configs_name_the_bad_field():
         LearnerConfig(groups_per_step=4, max_staleness=1, queue_capacity=5)
     cfg = LearnerConfig(groups_per_step=3, max_staleness=2).queue_config(RLAlgorithmConfig.dapo())
     assert cfg.capacity == 9 and cfg.dynamic_sampling and cfg.advantage == "grpo"
+    assert cfg.overlong == RLAlgorithmConfig.dapo().overlong
+    ppo = LearnerConfig().queue_config(RLAlgorithmConfig.ppo())
+    assert ppo.advantage == "none" and ppo.overlong is None and not ppo.dynamic_sampling
+
+
+def _sampled(group_id: int, index: int, reward: float, sampled: int) -> Trajectory:
+    t = Trajectory.from_completion([1, 2], [3] * sampled, [-0.5] * sampled, [0] * sampled,
+                                   group_id=group_id, episode_id=group_id * 4 + index)
+    t.reward = reward
+    t.info["status"] = "done"
+    return t
+
+
+def test_overlong_shaping_comes_before_advantages_and_dynamic_sampling():
+    # DAPO's soft punishment with limit 10, buffer 4: none up to 6 sampled tokens, then -1/4
+    # per token, -1 from 10 on.
+    overlong = OverlongConfig(max_response_tokens=10, buffer_tokens=4, penalty=1.0)
+    cfg = GroupQueueConfig(group_size=2, advantage="dr_grpo", dynamic_sampling=True,
+                           overlong=overlong)
+
+    async def main():
+        queue = GroupQueue(cfg)
+        # Group 0: equal raw rewards, but 4 vs 8 sampled tokens: shaped 1.0 and 0.5, so it has
+        # variance after shaping and is kept.
+        await queue.put(_sampled(0, 0, 1.0, 4))
+        await queue.put(_sampled(0, 1, 1.0, 8))
+        # Group 1: raw 1.0 and 0.0; 12 and 3 tokens: shaped 0.0 and 0.0, dropped as flat.
+        await queue.put(_sampled(1, 0, 1.0, 12))
+        await queue.put(_sampled(1, 1, 0.0, 3))
+        return queue, await queue.get()
+
+    queue, group = _run(main())
+    assert group.group_id == 0 and queue.dropped == {"no_reward_variance": 1}
+    np.testing.assert_allclose(group.rewards, [1.0, 0.5])
+    np.testing.assert_allclose(group.advantages, [0.25, -0.25])  # Dr.GRPO: reward - mean
+    assert [t.reward for t in group.trajectories] == [1.0, 0.5]
+    assert [t.info["reward_before_overlong"] for t in group.trajectories] == [1.0, 1.0]
+
+
+def test_ppo_groups_pass_through_without_group_advantages():
+    async def main():
+        queue = GroupQueue(GroupQueueConfig(group_size=1, advantage="none"))
+        await queue.put(_sampled(5, 0, 0.75, 3))
+        return await queue.get()
+
+    group = _run(main())
+    assert group.group_id == 5 and group.rewards.tolist() == [0.75]
+    assert group.advantages.tolist() == [0.0] and group.trajectories[0].advantage == 0.0

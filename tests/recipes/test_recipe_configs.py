@@ -3,10 +3,13 @@ model and tokenizer from a tiny stand-in checkpoint in the expected layout."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from nonstop.agentic.config import AgentConfig
 from nonstop.cli.main import main
 from nonstop.cli.sft import load_run_config
 from nonstop.models import ModelConfig, init_decoder, save_pretrained
@@ -80,12 +83,27 @@ def test_real_checkpoint_configs_build_from_a_stand_in(path, stand_ins):
     assert tokenizer.vocab_size <= model.cfg.vocab_size
 
 
-def test_agentic_cli_smoke_run(tmp_path):
-    code = main(["agentic", "--config", str(CONFIGS / "agentic_calculator_tiny.yaml"),
+@pytest.mark.parametrize("config", ["agentic_calculator_tiny.yaml",
+                                    "agentic_calculator_ppo_tiny.yaml"])
+def test_agentic_cli_smoke_run(tmp_path, config):
+    code = main(["agentic", "--config", str(CONFIGS / config),
                  f"run_dir={tmp_path}", "steps=2", "num_eval=2", "group_size=2",
                  "groups_per_step=2", "max_concurrency=8", "engine.max_slots=8",
                  "agent.max_tokens_per_turn=16", "agent.max_turns=2"])
     assert code == 0
     assert (tmp_path / "perf" / "trace.json").exists()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    if "ppo" in config:  # the critic trained alongside, with PPO's per-token KL penalty
+        assert all(np.isfinite(m["value_loss"]) and "reward_kl" in m for m in metrics)
     assert main(["agentic", "env.name=chess"]) == 2
+
+
+def test_agentic_algorithms_take_their_lengths_from_the_episode_budget():
+    dapo = AgenticRunConfig(algorithm="dapo", agent=AgentConfig(max_episode_tokens=300))
+    overlong = dapo.algorithm_config().overlong
+    assert (overlong.max_response_tokens, overlong.buffer_tokens) == (300, 60)
+    dr = AgenticRunConfig(algorithm="dr_grpo", agent=AgentConfig(max_episode_tokens=300))
+    assert dr.algorithm_config().policy_loss.max_len_norm == 300
+    rloo = AgenticRunConfig(algorithm="rloo", kl_coef=None).algorithm_config()
+    assert rloo.kl.mode == "reward" and rloo.kl.coef == 0.05  # taken by the learner step
