@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--sync-batch", type=int, default=None)
     parser.add_argument("--size", choices=("small", "large"), default="small")
     parser.add_argument("--max-concurrency", type=int, default=1024)
+    parser.add_argument("--prefill-rows", type=int, default=8,
+                        help="EngineConfig.prefill_rows (turns starting together share a call)")
     parser.add_argument("--latencies", nargs="+", choices=tuple(LATENCIES),
                         default=tuple(LATENCIES))
     parser.add_argument("--seconds", type=float, default=None,
@@ -207,9 +209,11 @@ def main() -> None:
     sync_batch = args.sync_batch or slots
     cfg = model_config(args.size)
     max_len = PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
-    # Attention buckets on: throughput over bit-exact batch invariance (see EngineConfig).
+    # Attention buckets and batched prefill on: throughput over bit-exact batch invariance
+    # (see EngineConfig).
     engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
-                    prefill_chunks=(16, 64), decode_buckets=4).start()
+                    prefill_chunks=(16, 64), decode_buckets=4,
+                    prefill_rows=args.prefill_rows).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 
@@ -222,6 +226,7 @@ def main() -> None:
     limit_rate = probe["episodes_per_s"]
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
+          f"prefill_rows={args.prefill_rows} "
           f"sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     rows = []

@@ -28,6 +28,13 @@ class EngineConfig:
     Sizes above max_len are clipped to max_len.
     prefill_budget: prompt tokens prefilled between two decode steps while sequences are
     decoding (at least one chunk); more gives faster time-to-first-token, fewer slower decode.
+    prefill_rows: the most prompts prefilled together in one device call (rows whose next
+    chunk has the same length), compiled for 1, 2, 4, ... up to this many rows. 1 (the
+    default): one prompt per call. More cuts the per-call cost when many sequences start at
+    once, as agents' turns do when their tools return: on the agentic benchmark's model (2
+    layers, 2-core CPU) a 16-token chunk costs 0.17 ms alone and 0.09 ms a row in a call of 8,
+    besides one dispatch and one read-back per call instead of per prompt. A row's result is
+    then computed in a call whose size depends on what else was waiting (see decode_buckets).
     decode_buckets: the decode step is compiled for attention over the first 1/n, 2/n, ... n/n
     of the cache (rounded up to multiples of 16; one compilation each), and each step takes the
     smallest that holds every decoding slot, so short sequences do not pay for reading the
@@ -57,6 +64,7 @@ class EngineConfig:
     max_len: int = 1024
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
     prefill_budget: int = 256
+    prefill_rows: int = 1
     decode_buckets: int = 1
     cache_dtype: CacheDtype | None = None
     swap_space_gib: float = 0.0
@@ -64,7 +72,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "prefill_budget", "decode_buckets"):
+        for name in ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"EngineConfig.{name}: got {value!r}; valid: an int >= 1")
@@ -95,6 +103,17 @@ class EngineConfig:
     def chunk_sizes(self) -> tuple[int, ...]:
         """The distinct prefill chunk lengths actually compiled, ascending."""
         return tuple(sorted({min(c, self.max_len) for c in self.prefill_chunks}))
+
+    @property
+    def prefill_row_counts(self) -> tuple[int, ...]:
+        """The row counts prefill is compiled for, ascending: powers of two below
+        `prefill_rows` (at most `max_slots`), and that itself."""
+        most = min(self.prefill_rows, self.max_slots)
+        return tuple(sorted({1 << i for i in range(most.bit_length()) if 1 << i < most} | {most}))
+
+    def prefill_row_count(self, rows: int) -> int:
+        """The smallest compiled row count that holds `rows` rows."""
+        return next(r for r in self.prefill_row_counts if r >= rows)
 
     @property
     def attention_lengths(self) -> tuple[int, ...]:

@@ -162,17 +162,19 @@ class DeviceSteps:
                                        attend_len=attend_len)
         return cache, model.logits(h)[:, 0]
 
-    def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, start: Array,
-                    length: Array, slot: Array) -> tuple[KVCache, Array]:
-        C = tokens.shape[1]
-        self.traces[f"prefill_{C}"] += 1
+    def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, starts: Array,
+                    lengths: Array, slots: Array) -> tuple[KVCache, Array]:
+        R, C = tokens.shape
+        self.traces[f"prefill_{C}" if R == 1 else f"prefill_{R}x{C}"] += 1
         model = nnx.merge(self.graphdef, state)
-        idx = jnp.arange(C, dtype=jnp.int32)
-        positions = jnp.where(idx < length, start + idx, self.max_len)[None, :]
+        idx = jnp.arange(C, dtype=jnp.int32)[None, :]
+        # Past a row's length (and on padding rows, length 0) positions are parked at the end
+        # of the cache, where writes are dropped.
+        positions = jnp.where(idx < lengths[:, None], starts[:, None] + idx, self.max_len)
         h, cache = model.hidden_states(model.embed_tokens(tokens), positions,
-                                       jnp.ones_like(tokens), cache, slot[None])
-        last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
-        return cache, model.logits(last[None])[:, 0]  # [1, V]
+                                       jnp.ones_like(tokens), cache, slots)
+        last = h[jnp.arange(R), jnp.maximum(lengths - 1, 0)]  # [R, D]
+        return cache, model.logits(last[:, None])[:, 0]  # [R, V]
 
     def _read_slot_fn(self, cache: KVCache, slot: Array) -> tuple[tuple[Array, ...], ...]:
         self.traces["read_slot"] += 1
@@ -263,18 +265,22 @@ class DeviceSteps:
                                      attend_len=attend_len or self.max_len)
         return cache, _sample(logits, sampling)
 
-    def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, start: int,
-                length: int, slot: int, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
-        """Prefill tokens int32[1, C] (the first `length` real) at positions start.. of `slot`."""
-        cache, logits = self._prefill(state, cache, tokens, np.int32(start), np.int32(length),
-                                      np.int32(slot))
+    def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, starts: np.ndarray,
+                lengths: np.ndarray, slots: np.ndarray, sampling: SamplingArrays
+                ) -> tuple[KVCache, StepOutput]:
+        """Prefill R rows at once: row r's tokens int32[R, C] (its first `lengths[r]` real) at
+        positions starts[r].. of slot `slots[r]`; samples each row's next token. A padding row
+        has length 0 (it writes nothing; its sample is meaningless)."""
+        cache, logits = self._prefill(state, cache, tokens, np.asarray(starts, np.int32),
+                                      np.asarray(lengths, np.int32), np.asarray(slots, np.int32))
         return cache, _sample(logits, sampling)
 
     def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...],
-               attention_lengths: tuple[int, ...] = (), *, swap: bool = False) -> KVCache:
-        """Compile decode for each attention length, prefill for each chunk size and, with
-        `swap`, the slot read and write; writes nothing (all rows parked, slot 0 rewritten
-        with what it holds)."""
+               attention_lengths: tuple[int, ...] = (), *, swap: bool = False,
+               prefill_rows: tuple[int, ...] = (1,)) -> KVCache:
+        """Compile decode for each attention length, prefill for each chunk size and row
+        count and, with `swap`, the slot read and write; writes nothing (all rows parked,
+        slot 0 rewritten with what it holds)."""
         S = self.num_slots
         sampling = idle_sampling(S)
         lengths = attention_lengths or (self.max_len,)
@@ -289,10 +295,12 @@ class DeviceSteps:
             cache, out = self.decode(state, cache, np.zeros(S, np.int32),
                                      np.full(S, self.max_len, np.int32), sampling, length)
             jax.block_until_ready(out)
-        for C in chunk_sizes:
-            cache, out = self.prefill(state, cache, np.zeros((1, C), np.int32), self.max_len, 0,
-                                      0, idle_sampling(1))
-            jax.block_until_ready(out)
+        for R in prefill_rows:
+            for C in chunk_sizes:
+                cache, out = self.prefill(state, cache, np.zeros((R, C), np.int32),
+                                          np.full(R, self.max_len), np.zeros(R), np.zeros(R),
+                                          idle_sampling(R))
+                jax.block_until_ready(out)
         if swap:
             keys, values = self.read_slot(cache, 0, self.max_len)
             cache = jax.block_until_ready(self.write_slot(cache, 0, keys, values))

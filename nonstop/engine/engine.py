@@ -51,6 +51,7 @@ class EngineStats:
     prefilled_tokens: int
     generated_tokens: int
     prefill_chunks: int
+    prefill_calls: int
     decode_steps: int
     completed: int
     evictions: int
@@ -271,6 +272,7 @@ class Engine:
             prefilled_tokens=c.prefilled_tokens if c else 0,
             generated_tokens=c.generated_tokens if c else 0,
             prefill_chunks=c.prefill_chunks if c else 0,
+            prefill_calls=c.prefill_calls if c else 0,
             decode_steps=c.decode_steps if c else 0,
             completed=c.completed if c else 0,
             evictions=c.evictions if c else 0,

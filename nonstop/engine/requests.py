@@ -127,7 +127,8 @@ class LaunchedStep:
 class Counters:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
-    prefill_chunks: int = 0
+    prefill_chunks: int = 0  # prompt chunks prefilled (rows of prefill calls)
+    prefill_calls: int = 0  # prefill device calls (several chunks each with prefill_rows > 1)
     decode_steps: int = 0
     completed: int = 0
     evictions: int = 0

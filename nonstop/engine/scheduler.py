@@ -122,7 +122,8 @@ class Scheduler(threading.Thread):
         try:
             self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes,
                                             self.config.attention_lengths,
-                                            swap=self.swap_budget > 0)
+                                            swap=self.swap_budget > 0,
+                                            prefill_rows=self.config.prefill_row_counts)
         except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
             self.startup_error = error
             self.ready.set()
@@ -298,7 +299,7 @@ class Scheduler(threading.Thread):
         self.positions[slot] = self.L
         self.prefilling.append(slot)
 
-    def _sampling(self, rows: slice) -> SamplingArrays:
+    def _sampling(self, rows: slice | np.ndarray) -> SamplingArrays:
         return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
                               self.seeds[rows], self.steps[rows])
 
@@ -307,53 +308,93 @@ class Scheduler(threading.Thread):
     def _prefill_some(self) -> None:
         used = 0
         while self.prefilling and (used < self.config.prefill_budget or not self.decoding.any()):
-            slot = self.prefilling[0]
-            req = self.slot_req[slot]
-            assert req is not None
-            start = req.prefill_pos
-            n, C = self.config.next_chunk(len(req.prompt) - start)
-            image_id = self.device.image_token_id
-            if req.image_features is not None:  # largest chunks: an image run must fit whole
-                n = image_safe_length(req.prompt, start, min(len(req.prompt) - start,
-                                                             self.config.chunk_sizes[-1]),
-                                      image_id)
-                C = self.config.padded_size(n)
-            chunk = np.zeros((1, C), np.int32)
-            chunk[0, :n] = req.prompt[start:start + n]
+            rows = self._next_prefill_rows()
             try:
-                with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C):
-                    with perf.device_busy(perf.ENGINE):
-                        if req.image_features is not None:
-                            feats, lookahead = image_chunk(req.prompt, req.image_features,
-                                                           start, n, C, image_id)
-                            self.cache, out = self.device.prefill_images(
-                                self.state, self.cache, chunk, feats, lookahead, start, n, slot,
-                                self._sampling(slice(slot, slot + 1)))
-                        else:
-                            self.cache, out = self.device.prefill(
-                                self.state, self.cache, chunk, start, n, slot,
-                                self._sampling(slice(slot, slot + 1)))
-                        out = jax.device_get(out)
+                out, C = self._prefill_call(rows)
             except Exception as error:  # noqa: BLE001 - the device step failed: fail the slots
                 self._device_failure(error)
                 return
-            used += C
-            req.prefill_pos += n
-            req.num_prefilled += n
-            self.slot_tokens[slot].extend(req.prompt[start:start + n])
-            self.counters.prefilled_tokens += n
-            self.counters.prefill_chunks += 1
-            perf.count(PREFILL_TOKENS, n)
-            if req.prefill_pos < len(req.prompt):
+            used += len(rows) * C
+            for r, (slot, req, n) in enumerate(rows):
+                start = req.prefill_pos
+                req.prefill_pos += n
+                req.num_prefilled += n
+                self.slot_tokens[slot].extend(req.prompt[start:start + n])
+                self.counters.prefilled_tokens += n
+                perf.count(PREFILL_TOKENS, n)
+                if req.prefill_pos < len(req.prompt):
+                    continue
+                self.prefilling.remove(slot)
+                token = int(out.tokens[r])
+                self.last_token[slot], self.steps[slot] = token, 1
+                self.positions[slot] = len(req.prompt)
+                self.decoding[slot] = self.fresh[slot] = True
+                perf.count(perf.ENGINE_TOKENS, 1)
+                self._emit(req, token, float(out.logprobs[r]), float(out.sampling_logprobs[r]),
+                           self.version)
+            self.counters.prefill_chunks += len(rows)
+            self.counters.prefill_calls += 1
+
+    def _next_prefill_rows(self) -> list[tuple[int, Request, int]]:
+        """(slot, request, tokens) of the next prefill call: the oldest prefilling sequence's
+        next chunk and, up to `prefill_rows`, the following ones whose next chunk has the same
+        length (a chunk holding image tokens goes alone)."""
+        most = self.config.prefill_row_counts[-1]
+        rows: list[tuple[int, Request, int]] = []
+        size = 0
+        for slot in self.prefilling:
+            req = self.slot_req[slot]
+            assert req is not None
+            remaining = len(req.prompt) - req.prefill_pos
+            if req.image_features is not None:
+                if rows:
+                    continue
+                # The largest chunks: an image run must fit whole.
+                n = image_safe_length(req.prompt, req.prefill_pos,
+                                      min(remaining, self.config.chunk_sizes[-1]),
+                                      self.device.image_token_id)
+                return [(slot, req, n)]
+            n, C = self.config.next_chunk(remaining)
+            if rows and C != size:
                 continue
-            self.prefilling.popleft()
-            token = int(out.tokens[0])
-            self.last_token[slot], self.steps[slot] = token, 1
-            self.positions[slot] = len(req.prompt)
-            self.decoding[slot] = self.fresh[slot] = True
-            perf.count(perf.ENGINE_TOKENS, 1)
-            self._emit(req, token, float(out.logprobs[0]), float(out.sampling_logprobs[0]),
-                       self.version)
+            rows.append((slot, req, n))
+            size = C
+            if len(rows) == most:
+                break
+        return rows
+
+    def _prefill_call(self, rows: list[tuple[int, Request, int]]) -> tuple[Any, int]:
+        """Run one prefill call over `rows` (padded to a compiled row count); returns the
+        sampled first tokens, read back, and the chunk length."""
+        slot, req, n = rows[0]
+        if req.image_features is not None:
+            C, start, image_id = self.config.padded_size(n), req.prefill_pos, self.device.image_token_id
+            chunk = np.zeros((1, C), np.int32)
+            chunk[0, :n] = req.prompt[start:start + n]
+            with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C, rows=1):
+                with perf.device_busy(perf.ENGINE):
+                    feats, lookahead = image_chunk(req.prompt, req.image_features, start, n, C,
+                                                   image_id)
+                    self.cache, out = self.device.prefill_images(
+                        self.state, self.cache, chunk, feats, lookahead, start, n, slot,
+                        self._sampling(slice(slot, slot + 1)))
+                    return jax.device_get(out), C
+        C = self.config.padded_size(max(n for _, _, n in rows))
+        R = self.config.prefill_row_count(len(rows))
+        tokens = np.zeros((R, C), np.int32)
+        starts = np.full(R, self.L, np.int32)  # padding rows: parked, length 0
+        lengths = np.zeros(R, np.int32)
+        slots = np.zeros(R, np.int32)
+        for r, (slot, req, n) in enumerate(rows):
+            start = req.prefill_pos
+            tokens[r, :n] = req.prompt[start:start + n]
+            starts[r], lengths[r], slots[r] = start, n, slot
+        with perf.span(perf.ROLLOUT_PREFILL, slot=rows[0][0], tokens=int(lengths.sum()),
+                       chunk=C, rows=len(rows)):
+            with perf.device_busy(perf.ENGINE):
+                self.cache, out = self.device.prefill(self.state, self.cache, tokens, starts,
+                                                      lengths, slots, self._sampling(slots))
+                return jax.device_get(out), C
 
     def _decode_step(self) -> None:
         """Launch a decode step over the decoding slots (if any), then read back and hand out

@@ -257,6 +257,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
         engine_model = trainer.model() if processes == 1 else model
         with Engine(engine_model, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
                     decode_buckets=cfg.engine.decode_buckets,
+                    prefill_rows=cfg.engine.prefill_rows,
                     swap_space_gib=cfg.engine.swap_space_gib,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
