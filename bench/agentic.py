@@ -45,7 +45,7 @@ from nonstop.agentic.agent import derive_seed
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, LoopLagMonitor, RolloutOrchestrator
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, SamplingParams, gc_heap_frozen
 from nonstop.models import ModelConfig, init_decoder
 
 PROMPT, TURNS, TURN_TOKENS, TOOL_TOKENS = 8, 3, 16, 4
@@ -164,7 +164,8 @@ def measure(engine: Engine, run: Callable[[], object], episodes: int,
                 wall = time.perf_counter() - t0
         return times, wall, lag.quantile(0.99), window.id
 
-    times, wall, lag_p99, window_id = asyncio.run(main())
+    with gc_heap_frozen():  # as `nonstop agentic` trains
+        times, wall, lag_p99, window_id = asyncio.run(main())
     events = perf.current().events()
     window = next(e for e in events if e.id == window_id)
     busy = perf.busy_fraction(events, perf.ENGINE, (window.t0, window.t1))

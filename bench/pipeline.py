@@ -40,7 +40,7 @@ from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfi
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.streaming import StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, SamplingParams, gc_heap_frozen
 from nonstop.models import init_decoder
 from nonstop.rl import KLConfig, OffPolicyConfig, RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -154,7 +154,8 @@ def main() -> None:
                     records = await learner.run(steps)
                     return records, time.perf_counter() - t0, window.id
 
-            records, wall, window_id = asyncio.run(go())
+            with gc_heap_frozen():  # as `nonstop agentic` trains
+                records, wall, window_id = asyncio.run(go())
             events = perf.current().events()
             w = next(e for e in events if e.id == window_id)
             window = (w.t0, w.t1)

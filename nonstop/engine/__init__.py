@@ -6,7 +6,7 @@
 """
 
 from nonstop.engine.config import EngineConfig, EngineConfigError
-from nonstop.engine.engine import Engine, EngineStats
+from nonstop.engine.engine import Engine, EngineStats, gc_heap_frozen
 from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
 from nonstop.engine.requests import Detokenizer, Session
 from nonstop.engine.sampling import SamplingParams
@@ -27,4 +27,5 @@ __all__ = [
     "RequestError",
     "SamplingParams",
     "Session",
+    "gc_heap_frozen",
 ]

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -41,6 +43,31 @@ from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
 from nonstop.engine.scheduler import Scheduler
 from nonstop.engine.types import Completion, EngineError, RequestError
 from nonstop.models import Decoder, Gemma3VLM
+
+
+@contextlib.contextmanager
+def gc_heap_frozen() -> Iterator[int]:
+    """Within: every object alive at entry is out of the garbage collector's sight
+    (`gc.freeze`, after a collection), so full collections traverse only objects made since
+    instead of JAX's, Flax's and the model's hundreds of thousands. Yields how many were frozen.
+    On exit they are handed back (`gc.unfreeze`), so nothing that dies meanwhile leaks; when
+    the heap was already frozen (an enclosing use, or the caller's own `gc.freeze`) this does
+    nothing.
+
+    A full collection stops every thread, the engine's scheduler too: on the agentic benchmark
+    (2-core CPU, ~420k live objects) each took ~200 ms, three in a 10 s run, and ~30 ms with
+    the heap frozen. `nonstop rl` and `nonstop agentic` train inside it; `nonstop serve` freezes
+    its heap for good once the engine is up.
+    """
+    if gc.get_freeze_count():
+        yield gc.get_freeze_count()
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import itertools
 import json
@@ -467,6 +468,8 @@ def serve(config: ServerConfig) -> None:
     max_len = min(config.max_len, model.cfg.max_position_embeddings)
     engine = Engine(model, max_slots=config.max_slots, max_len=max_len, tokenizer=tokenizer)
     engine.start()  # compiles before the port opens, so /health answering means ready
+    gc.collect()  # this process is the server's: full collections skip the model and JAX from
+    gc.freeze()  # now on (see nonstop.engine.gc_heap_frozen)
     serving = OpenAIServing(engine.generate, tokenizer,
                             model_name=config.model_name or model_dir.resolve().name,
                             vocab_size=model.cfg.vocab_size, max_len=max_len,

@@ -45,7 +45,7 @@ from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.ray_backend import RayEnvConfig, RayEnvironmentPool, import_ray, init_ray
 from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ChatInteraction
-from nonstop.engine import Engine
+from nonstop.engine import Engine, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
@@ -265,7 +265,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                                   interaction_factory(cfg, tokenizer, cfg.seed, new_env),
                                   learner_cfg)
             rl_started = time.perf_counter()
-            with perf.span(RL_PHASE):
+            with perf.span(RL_PHASE), gc_heap_frozen():
                 records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
             rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))

@@ -23,7 +23,7 @@ import yaml
 from jax.sharding import Mesh
 
 from nonstop import perf
-from nonstop.engine import Engine
+from nonstop.engine import Engine, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig, place
 from nonstop.models import (
     ModelConfig,
@@ -303,7 +303,8 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                               on_step=on_step)
             learner.step = start_step
             before = asyncio.run(learner.evaluate(eval_examples))
-            history = asyncio.run(learner.run(eval_examples))
+            with gc_heap_frozen():
+                history = asyncio.run(learner.run(eval_examples))
         for ckpt in (checkpointer, critic_checkpointer):
             if ckpt is not None:
                 ckpt.wait()
