@@ -14,6 +14,8 @@ evaluation episodes with the final weights, the same episodes for every mode; to
 Every mode starts from the same weights; the train step is compiled before any is timed.
 
     python -m bench.pipeline [--out results.jsonl] [--quick] [--steps 30] [--repeats 3]
+                             [--correction tis|decoupled|sequence_mask|none]
+                             [--modes sync0 streaming0 streaming1 streaming4]
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ AGENT = AgentConfig(max_turns=MAX_TURNS, max_tokens_per_turn=TURN_TOKENS, ignore
 MODES = (("sync", 0), ("streaming", 0), ("streaming", 1), ("streaming", 4))
 
 
-def algorithm() -> RLAlgorithmConfig:
+def algorithm(correction: str = "tis") -> RLAlgorithmConfig:
     base = RLAlgorithmConfig.grpo()
     loss = dataclasses.replace(base.policy_loss, kl=KLConfig(coef=0.0),
-                               off_policy=OffPolicyConfig(correction="tis", weight_cap=2.0))
+                               off_policy=OffPolicyConfig(correction=correction, weight_cap=2.0))
     return dataclasses.replace(base, policy_loss=loss)
 
 
@@ -101,6 +103,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=None)
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--correction", default="tis",
+                        choices=("tis", "decoupled", "sequence_mask", "none"),
+                        help="the off-policy correction (OffPolicyConfig.correction)")
+    parser.add_argument("--modes", nargs="+", default=[f"{k}{s}" for k, s in MODES],
+                        choices=[f"{k}{s}" for k, s in MODES],
+                        help="which learners to run (sync is always run: the baseline)")
     args = parser.parse_args()
     steps = args.steps or (8 if args.quick else 30)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -110,7 +118,7 @@ def main() -> None:
     model = init_decoder(cfg, seed=0)
     graphdef, state = nnx.split(model)
     trainer = PolicyTrainer(nnx.merge(graphdef, jax.tree.map(jnp.copy, state)), PolicyTrainerConfig(
-        algorithm=algorithm(),
+        algorithm=algorithm(args.correction),
         optimizer=OptimizerConfig(learning_rate=args.learning_rate, schedule="constant",
                                   weight_decay=0.0),
         packing=PackingConfig(buckets=(128,), rows_per_batch=G * PROMPTS_PER_STEP,
@@ -130,12 +138,14 @@ def main() -> None:
     trainer.train(warm)
     initial_eval = evaluate(engine, vocab)
     print(f"slots={slots} max_concurrency={args.max_concurrency} steps={steps} "
-          f"repeats={repeats} G={G} prompts/step={PROMPTS_PER_STEP}; reward before training "
+          f"repeats={repeats} G={G} prompts/step={PROMPTS_PER_STEP} "
+          f"correction={args.correction}; reward before training "
           f"{initial_eval:.3f}")
     print(f"{'mode':>14} {'steps/s':>8} {'trainer idle':>12} {'engine busy':>11} "
           f"{'reward':>7} {'compiles':>8}  staleness histogram")
     rows, by_mode = [], {}
-    for kind, staleness in MODES:
+    modes = [(k, s) for k, s in MODES if k == "sync" or f"{k}{s}" in args.modes]
+    for kind, staleness in modes:
         runs = []
         for rep in range(repeats):
             trainer.state = jax.tree.map(jnp.copy, initial_state)
@@ -175,6 +185,7 @@ def main() -> None:
               f"{med['engine_busy']:11.2f} {med['reward']:7.3f} "
               f"{med['compiles_after_warmup']:8.0f}  {dict(sorted(hist.items()))}")
         rows.append({"benchmark": "pipeline", "mode": kind, "max_staleness": staleness,
+                     "correction": args.correction,
                      "steps": steps, "repeats": repeats, "slots": slots,
                      "max_concurrency": args.max_concurrency, "initial_reward": initial_eval,
                      "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
