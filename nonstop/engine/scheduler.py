@@ -368,7 +368,8 @@ class Scheduler(threading.Thread):
         sampled first tokens, read back, and the chunk length."""
         slot, req, n = rows[0]
         if req.image_features is not None:
-            C, start, image_id = self.config.padded_size(n), req.prefill_pos, self.device.image_token_id
+            C, start = self.config.padded_size(n), req.prefill_pos
+            image_id = self.device.image_token_id
             chunk = np.zeros((1, C), np.int32)
             chunk[0, :n] = req.prompt[start:start + n]
             with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C, rows=1):
