@@ -44,6 +44,13 @@ class EngineConfig:
     does the float summation order (logprobs move at the 1e-7 level); decode is faster while
     sequences are short (on CPU, 32 slots: 17 ms a step over a quarter of a 512 cache
     against 24 ms over all of it).
+    decode_steps_per_call: decode steps run in one device call (K, a `lax.scan` with the
+    sampler inside): one dispatch, one read-back and one round of host bookkeeping per K tokens
+    a slot instead of per token, for when the host's per-step work is a large part of a step
+    (small models, fast accelerators). Tokens are those of K single steps (same sampling
+    streams; logprobs within float summation order). The costs: a request that stops inside a
+    call still occupies its slot for the rest of it (at most K - 1 steps computed and dropped),
+    and a waiting request is admitted only between calls. 1 (the default): one step per call.
     cache_dtype: the KV cache's dtype; None: the model's compute dtype.
     swap_space_gib: host memory for the KV caches of evicted sessions. When a slot is needed
     and the least recently used idle session gives up its slot, its keys and values are
@@ -66,13 +73,15 @@ class EngineConfig:
     prefill_budget: int = 256
     prefill_rows: int = 1
     decode_buckets: int = 1
+    decode_steps_per_call: int = 1
     cache_dtype: CacheDtype | None = None
     swap_space_gib: float = 0.0
     on_weight_update: WeightUpdateMode = "continue"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets"):
+        for name in ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets",
+                     "decode_steps_per_call"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"EngineConfig.{name}: got {value!r}; valid: an int >= 1")

@@ -8,6 +8,10 @@
   It attends over the cache's first `attend_len` positions, one compilation per length in
   `EngineConfig.attention_lengths`: a step reads keys and values up to the longest live
   sequence, not the whole cache (on CPU that read costs about as much as the matmuls).
+  With `steps_per_call` K > 1 one call runs K decode steps in a `lax.scan`, each fed the token
+  the step before sampled, with the sampler inside the loop: [K, S] tokens per call, one
+  dispatch and one read-back for K tokens a slot. Step k samples with the request's step
+  counter + k, so a request's tokens are those of K single steps.
 
 Both take the parameters as an argument (`nnx.split`: the graph definition is static, the
 weights are never baked in as constants, so a weight update never recompiles) and donate the
@@ -69,7 +73,7 @@ class DeviceSteps:
 
     def __init__(self, model: Decoder | Gemma3VLM, *, num_slots: int, max_len: int,
                  cache_dtype: jnp.dtype | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> None:
+                 mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 1) -> None:
         self.graphdef, state = nnx.split(model)
         # Commit every input to its device: jit keys its cache on committedness, so an
         # uncommitted first argument (fresh `jnp.zeros`) would compile a second time later.
@@ -85,6 +89,7 @@ class DeviceSteps:
         self.num_slots = num_slots
         self.max_len = max_len
         self.cache_dtype = cache_dtype or model.dtype
+        self.steps_per_call = steps_per_call
         self.traces: collections.Counter[str] = collections.Counter()
         # On a mesh, pin the cache's layout so a step never hands the next one a new sharding.
         pinned = {} if mesh is None else {"out_shardings": (self.cache_sharding, replicated(mesh))}
@@ -95,6 +100,9 @@ class DeviceSteps:
         self._flat: tuple[nnx.State, list[Array]] | None = None
         self._decode_jit = jax.jit(self._with_state(self._decode_fn), donate_argnums=(1,),
                                    static_argnames=("attend_len",), **pinned)
+        self._decode_multi_jit = jax.jit(self._with_state(self._decode_multi_fn),
+                                         donate_argnums=(1,), static_argnames=("attend_len",),
+                                         **pinned)
         self._prefill_jit = jax.jit(self._with_state(self._prefill_fn), donate_argnums=(1,),
                                     **pinned)
         # Vision-language models: images are encoded once per request, and a prefill chunk that
@@ -133,6 +141,10 @@ class DeviceSteps:
                 ) -> tuple[KVCache, Array]:
         return self._decode_jit(self._leaves(state), cache, *args, attend_len=attend_len)
 
+    def _decode_multi(self, state: nnx.State, cache: KVCache, *args: Any, attend_len: int
+                      ) -> tuple[KVCache, StepOutput]:
+        return self._decode_multi_jit(self._leaves(state), cache, *args, attend_len=attend_len)
+
     def _prefill(self, state: nnx.State, cache: KVCache, *args: Any) -> tuple[KVCache, Array]:
         return self._prefill_jit(self._leaves(state), cache, *args)
 
@@ -161,6 +173,34 @@ class DeviceSteps:
                                        jnp.ones((tokens.shape[0], 1), jnp.int32), cache, None,
                                        attend_len=attend_len)
         return cache, model.logits(h)[:, 0]
+
+    def _decode_multi_fn(self, state: nnx.State, cache: KVCache, tokens: Array,
+                         positions: Array, previous: Array, from_previous: Array,
+                         sampling: SamplingArrays, attend_len: int
+                         ) -> tuple[KVCache, StepOutput]:
+        """`steps_per_call` decode steps; `previous` is the last call's tokens [K, S]."""
+        K = self.steps_per_call
+        self.traces[f"decode_{K}x{attend_len}"] += 1  # runs only while tracing
+        tokens = jnp.where(from_previous, previous[-1], tokens)
+        model = nnx.merge(self.graphdef, state)
+        parked = positions >= self.max_len
+        ones = jnp.ones((tokens.shape[0], 1), jnp.int32)
+
+        def step(carry: tuple[KVCache, Array], k: Array) -> tuple[tuple[KVCache, Array],
+                                                                  StepOutput]:
+            cache, fed = carry
+            # Parked slots stay parked; a live slot that runs past the cache writes nothing
+            # (the host has finished it with "cache_full" before any such token counts).
+            at = jnp.where(parked, self.max_len, positions + k)
+            h, cache = model.hidden_states(model.embed_tokens(fed[:, None]), at[:, None], ones,
+                                           cache, None, attend_len=attend_len)
+            out = StepOutput(*sample(model.logits(h)[:, 0], sampling.temperature,
+                                     sampling.top_k, sampling.top_p, sampling.seeds,
+                                     sampling.steps + k))
+            return (cache, out.tokens), out
+
+        (cache, _), outs = jax.lax.scan(step, (cache, tokens), jnp.arange(K, dtype=jnp.int32))
+        return cache, outs
 
     def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, starts: Array,
                     lengths: Array, slots: Array) -> tuple[KVCache, Array]:
@@ -251,16 +291,20 @@ class DeviceSteps:
                positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None,
                previous: Array | None = None, from_previous: np.ndarray | None = None
                ) -> tuple[KVCache, StepOutput]:
-        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot.
+        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot
+        (with `steps_per_call` K > 1: the next K tokens, each output [K, S]).
 
         `attend_len` (a compiled length; default the whole cache) must exceed every position
-        that matters this step. Rows where `from_previous` is true are fed `previous` instead
-        (the device tokens of the step before, so it need not be read back first)."""
+        that matters this call. Rows where `from_previous` is true are fed `previous` instead
+        (the device tokens of the call before, so they need not be read back first)."""
         S = self.num_slots
         if previous is None:
             previous = self._no_previous
         if from_previous is None:
             from_previous = np.zeros(S, bool)
+        if self.steps_per_call > 1:
+            return self._decode_multi(state, cache, tokens, positions, previous, from_previous,
+                                      sampling, attend_len=attend_len or self.max_len)
         cache, logits = self._decode(state, cache, tokens, positions, previous, from_previous,
                                      attend_len=attend_len or self.max_len)
         return cache, _sample(logits, sampling)
@@ -281,16 +325,25 @@ class DeviceSteps:
         """Compile decode for each attention length, prefill for each chunk size and row
         count and, with `swap`, the slot read and write; writes nothing (all rows parked,
         slot 0 rewritten with what it holds)."""
-        S = self.num_slots
+        S, K = self.num_slots, self.steps_per_call
         sampling = idle_sampling(S)
         lengths = attention_lengths or (self.max_len,)
         # Sampled tokens come back committed to the logits' device(s): the stand-in for "no
         # previous step" must be placed the same way, or jit would compile a second variant.
-        cache, out = self._decode(state, cache, np.zeros(S, np.int32),
-                                  np.full(S, self.max_len, np.int32), np.zeros(S, np.int32),
-                                  np.zeros(S, bool), attend_len=lengths[-1])
-        self._no_previous = jax.device_put(np.zeros(S, np.int32),
-                                           _sample(out, sampling).tokens.sharding)
+        if K > 1:
+            shape = (K, S)
+            cache, out = self._decode_multi(state, cache, np.zeros(S, np.int32),
+                                            np.full(S, self.max_len, np.int32),
+                                            np.zeros(shape, np.int32), np.zeros(S, bool),
+                                            sampling, attend_len=lengths[-1])
+            sharding = out.tokens.sharding
+        else:
+            shape = (S,)
+            cache, out = self._decode(state, cache, np.zeros(S, np.int32),
+                                      np.full(S, self.max_len, np.int32), np.zeros(S, np.int32),
+                                      np.zeros(S, bool), attend_len=lengths[-1])
+            sharding = _sample(out, sampling).tokens.sharding
+        self._no_previous = jax.device_put(np.zeros(shape, np.int32), sharding)
         for length in lengths:
             cache, out = self.decode(state, cache, np.zeros(S, np.int32),
                                      np.full(S, self.max_len, np.int32), sampling, length)

@@ -80,6 +80,8 @@ class EngineStats:
     prefill_chunks: int
     prefill_calls: int
     decode_steps: int
+    decode_calls: int  # device calls (decode_steps_per_call steps each)
+    dropped_tokens: int  # sampled for a request that had stopped by then (pipelining, K > 1)
     completed: int
     evictions: int
     swapped_out: int  # evicted sessions' caches copied to the host (swap_space_gib)
@@ -114,7 +116,8 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = None if self.config.cache_dtype is None else jnp.dtype(self.config.cache_dtype)
         self._device = DeviceSteps(model, num_slots=self.config.max_slots,
-                                   max_len=self.config.max_len, cache_dtype=dtype, mesh=mesh)
+                                   max_len=self.config.max_len, cache_dtype=dtype, mesh=mesh,
+                                   steps_per_call=self.config.decode_steps_per_call)
         self._initial_version = policy_version
         self._scheduler: Scheduler | None = None
         self._seeds = random.Random(self.config.seed)
@@ -301,6 +304,8 @@ class Engine:
             prefill_chunks=c.prefill_chunks if c else 0,
             prefill_calls=c.prefill_calls if c else 0,
             decode_steps=c.decode_steps if c else 0,
+            decode_calls=c.decode_calls if c else 0,
+            dropped_tokens=c.dropped_tokens if c else 0,
             completed=c.completed if c else 0,
             evictions=c.evictions if c else 0,
             swapped_out=c.swapped_out if c else 0,

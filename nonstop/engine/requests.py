@@ -129,7 +129,9 @@ class Counters:
     generated_tokens: int = 0
     prefill_chunks: int = 0  # prompt chunks prefilled (rows of prefill calls)
     prefill_calls: int = 0  # prefill device calls (several chunks each with prefill_rows > 1)
-    decode_steps: int = 0
+    decode_steps: int = 0  # decode steps (a call runs EngineConfig.decode_steps_per_call)
+    decode_calls: int = 0  # decode device calls
+    dropped_tokens: int = 0  # sampled in a slot whose request had stopped (or was cancelled)
     completed: int = 0
     evictions: int = 0
     swapped_out: int = 0  # evicted sessions' caches copied to the host

@@ -7,7 +7,8 @@ one decode step over all slots, then handles the *previous* step's tokens while 
 computes this one. The step after a token is fed that token straight from the device (slots
 fresh from prefill take theirs from the host), so the host's bookkeeping (stop checks, emitting,
 waking callers) never leaves the device idle. A request that stops at step N has already been
-given step N + 1; that token is dropped. Everything else per slot lives in small numpy arrays,
+given step N + 1; that token is dropped. With `EngineConfig.decode_steps_per_call` K > 1 a
+"step" here is one device call of K steps, and the host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
 copied to the device with each step.
 
 A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
@@ -414,7 +415,8 @@ class Scheduler(threading.Thread):
                 self._read_back(previous, seen_running_ns)
 
     def _launch(self, active: np.ndarray, previous: LaunchedStep | None) -> LaunchedStep:
-        attend_len = self.config.attention_length(int(self.positions[active].max()))
+        K = self.config.decode_steps_per_call
+        attend_len = self.config.attention_length(int(self.positions[active].max()) + K - 1)
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
         # A slot that was in the previous step (not fresh from prefill) is fed the token that
@@ -426,10 +428,11 @@ class Scheduler(threading.Thread):
             self.state, self.cache, self.last_token.copy(), self.positions.copy(),
             SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
             previous.out.tokens if previous is not None else None, ~self.fresh)
-        self.counters.decode_steps += 1
+        self.counters.decode_steps += K
+        self.counters.decode_calls += 1
         self.fresh[active] = False
-        self.positions[active] += 1
-        self.steps[active] += 1
+        self.positions[active] += K
+        self.steps[active] += K
         rows = tuple((int(s), self.slot_req[s], self.slot_req[s].epoch) for s in active)
         return LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
 
@@ -450,14 +453,23 @@ class Scheduler(threading.Thread):
         start_ns = max(step.launched_ns, self._device_free_ns)
         perf.device_busy_interval(perf.ENGINE, start_ns, done_ns)
         self._device_free_ns = max(done_ns, start_ns)
+        # Rows [K, S]: step k of the call (K = 1: one step).
+        tokens = out.tokens.reshape(-1, self.S).tolist()
+        logprobs = out.logprobs.reshape(-1, self.S).tolist()
+        sampling_logprobs = out.sampling_logprobs.reshape(-1, self.S).tolist()
+        K = len(tokens)
         emitted = 0
         for s, req, epoch in step.rows:
-            if req.done or req.epoch != epoch or self.slot_req[s] is not req:
-                continue  # finished, cancelled or restarted since this step was launched
-            self.slot_tokens[s].append(req.tokens[-1])  # the token this step was fed
-            emitted += 1
-            self._emit(req, int(out.tokens[s]), float(out.logprobs[s]),
-                       float(out.sampling_logprobs[s]), step.version)
+            for k in range(K):
+                if req.done or req.epoch != epoch or self.slot_req[s] is not req:
+                    # Finished, cancelled or restarted since this call was launched (or at an
+                    # earlier step of it): the rest of its tokens are dropped.
+                    self.counters.dropped_tokens += K - k
+                    break
+                self.slot_tokens[s].append(req.tokens[-1])  # the token step k was fed
+                emitted += 1
+                self._emit(req, tokens[k][s], logprobs[k][s], sampling_logprobs[k][s],
+                           step.version)
         perf.count(perf.ENGINE_TOKENS, emitted)
         if self.launched is not None and not self.launched.out.tokens.is_ready():
             self._seen_running_ns = time.perf_counter_ns()

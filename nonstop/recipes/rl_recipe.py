@@ -74,13 +74,16 @@ class TaskSettings:
 class EngineSettings:
     """The rollout engine's size; `decode_buckets` > 1 and `prefill_rows` > 1 trade bit-exact
     reproducibility for faster decode of short sequences and fewer prefill calls when many
-    turns start at once; `swap_space_gib`: host memory for evicted sessions' KV caches (0: an
-    evicted episode re-prefills its context). See `EngineConfig`."""
+    turns start at once; `decode_steps_per_call` > 1 runs several decode steps per device call
+    (less host work a token, some steps computed past a request's end); `swap_space_gib`:
+    host memory for evicted sessions' KV caches (0: an evicted episode re-prefills its
+    context). See `EngineConfig`."""
 
     max_slots: int = 64
     max_len: int = 64
     decode_buckets: int = 1
     prefill_rows: int = 1
+    decode_steps_per_call: int = 1
     swap_space_gib: float = 0.0
 
 
@@ -294,6 +297,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
         with Engine(engine_model, max_slots=cfg.engine.max_slots,
                     max_len=cfg.engine.max_len, decode_buckets=cfg.engine.decode_buckets,
                     prefill_rows=cfg.engine.prefill_rows,
+                    decode_steps_per_call=cfg.engine.decode_steps_per_call,
                     swap_space_gib=cfg.engine.swap_space_gib,
                     tokenizer=tokenizer,
                     policy_version=start_step, mesh=engine_mesh) as engine:

@@ -168,3 +168,16 @@ def test_engine_generates_like_a_colocated_engine_with_the_trained_weights(run):
     got = run["after"]
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_an_engine_on_its_sub_mesh_running_several_steps_a_call_generates_the_same(run):
+    engine = Engine(init_decoder(CFG, seed=0), mesh=run["placement"].engine_mesh, max_slots=4,
+                    max_len=32, prefill_chunks=(8,), decode_steps_per_call=3)
+    with engine:
+        traces = dict(engine.stats().traces)
+        engine.update_weights(run["trained"], version=1)
+        got = engine.generate_sync(PROMPT, GREEDY, timeout=60)
+        assert engine.stats().traces == traces
+    want = run["after"]
+    assert got.tokens == want.tokens and got.policy_versions == want.policy_versions
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

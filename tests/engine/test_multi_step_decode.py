@@ -1,0 +1,129 @@
+"""Several decode steps per device call (`EngineConfig.decode_steps_per_call`): an engine running
+K steps a call gives the tokens, finish reasons and log-probabilities of one running a step a
+call, through stop tokens, `max_tokens`, a full cache and a session's second turn; what a call
+computes past a request's end is counted as dropped, by hand; and nothing compiles after
+warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from nonstop.engine import Engine, SamplingParams
+from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.models import ModelConfig, init_decoder
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = init_decoder(ModelConfig.tiny("qwen3"), seed=5)
+    # Random init at std 0.02 gives near-uniform logits; scale up so greedy has no near-ties.
+    nnx.update(m, jax.tree.map(lambda x: x * 25.0 if x.ndim > 1 else x, nnx.state(m)))
+    return m
+
+
+def _prompt(n, seed):
+    return np.random.RandomState(seed).randint(3, 250, n).tolist()
+
+
+STOP_IDS = tuple(range(3, 40))  # ~15% of the vocabulary: sampled runs hit one within a few tokens
+
+
+def _requests():
+    out = []
+    for i in range(10):
+        params = SamplingParams(temperature=[0.0, 1.0, 0.8][i % 3], top_k=[0, 0, 20][i % 3],
+                                max_tokens=[5, 7, 11, 2, None][i % 5], seed=i,
+                                stop_token_ids=STOP_IDS if i % 2 else ())
+        out.append((_prompt(3 + 5 * i, seed=i), params))
+    # Runs into the end of the cache: 60 prompt tokens, no max_tokens, no stop.
+    out.append((_prompt(60, seed=99), SamplingParams(temperature=1.0, seed=99)))
+    return out
+
+
+def _run(model, k):
+    with Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                decode_buckets=2, decode_steps_per_call=k) as engine:
+        traces = engine.stats().traces
+
+        async def episode(seed):
+            # Two turns in one session: the second continues the first's cache, whose slot
+            # holds whatever a call computed past the first turn's stop.
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=9,
+                                    stop_token_ids=STOP_IDS)
+            with engine.session() as s:
+                prompt = _prompt(6, seed=seed)
+                first = await engine.generate(prompt, params, session=s)
+                context = prompt + list(first.tokens) + _prompt(3, seed=seed + 1)
+                second = await engine.generate(context, params, session=s)
+            return [first, second]
+
+        async def main():
+            singles = [engine.generate(p, s) for p, s in _requests()]
+            sessions = [episode(100 + i) for i in range(3)]
+            return await asyncio.gather(*singles, *sessions)
+
+        results = asyncio.run(main())
+        stats = engine.stats()
+        assert stats.traces == traces  # every variant was compiled at warm-up
+    flat = []
+    for r in results:
+        flat.extend(r if isinstance(r, list) else [r])
+    return flat, stats
+
+
+def test_k_steps_per_call_give_the_tokens_of_one_step_per_call(model):
+    single, single_stats = _run(model, 1)
+    multi, stats = _run(model, 3)
+    reasons = [c.finish_reason for c in single]
+    # The cases this test is about all occur.
+    assert {"stop", "length", "cache_full"} <= set(reasons)
+    assert any(c.finish_reason == "stop" and len(c.tokens) % 3 for c in single)
+    assert [c.finish_reason for c in multi] == reasons
+    for a, b in zip(single, multi, strict=True):
+        assert a.tokens == b.tokens
+        assert a.policy_versions == b.policy_versions
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5)
+    assert stats.generated_tokens == single_stats.generated_tokens
+    assert stats.decode_steps == 3 * stats.decode_calls
+    assert single_stats.decode_steps == single_stats.decode_calls
+    assert stats.decode_calls < single_stats.decode_calls / 2
+    assert sorted(k for k in stats.traces if k.startswith("decode")) == [
+        "decode_3x32", "decode_3x64"]
+
+
+@pytest.mark.parametrize(("k", "calls", "dropped"), [(1, 5, 1), (4, 2, 4), (3, 3, 5)])
+def test_a_lone_request_costs_the_calls_and_drops_counted_by_hand(model, k, calls, dropped):
+    # max_tokens 5: prefill samples token 1, decode calls sample the other 4. The call after
+    # the one that samples token 5 was launched before that token was read: all of it is
+    # dropped. K = 1: 4 steps + 1 dropped. K = 4: tokens 2-5 in one call, the next call's 4
+    # dropped. K = 3: tokens 2-4, then 5 (2 of that call dropped), then 3 dropped.
+    with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
+                decode_steps_per_call=k) as engine:
+        out = engine.generate_sync(_prompt(4, seed=1), SamplingParams(temperature=0.0,
+                                                                      max_tokens=5))
+        # The last call is read back (and its tokens dropped) just after the request resolves.
+        deadline = time.monotonic() + 10
+        while engine.stats().dropped_tokens < dropped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        stats = engine.stats()
+    assert len(out.tokens) == 5 and out.finish_reason == "length"
+    assert (stats.decode_calls, stats.decode_steps) == (calls, calls * k)
+    assert stats.dropped_tokens == dropped
+    assert stats.generated_tokens == 5
+
+
+def test_decode_steps_per_call_is_validated():
+    assert EngineConfig(decode_steps_per_call=4).decode_steps_per_call == 4
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(EngineConfigError, match="decode_steps_per_call: got"):
+            EngineConfig(decode_steps_per_call=bad)
