@@ -188,14 +188,16 @@ class _Learner:
             perf.gauge(perf.TRAIN_STALENESS, lag, episode=t.episode_id, step=k)
         t0 = time.perf_counter()
         kl_sum = 0.0
-        if self.trainer.kl_in_reward and not self.trainer.uses_gae:
+        # KL as a reward penalty for group estimators (PPO's critic takes it per token instead).
+        penalise = self.trainer.kl_in_reward and not self.trainer.uses_gae
+        if penalise:
             kl_sum = await asyncio.to_thread(self._penalise_kl, groups)
         metrics = await asyncio.to_thread(self.trainer.train, trajectories)
         totals = [sum(t.reward for t in trajectories), len(trajectories), kl_sum]
         if self.processes > 1:  # a collective: off the event loop
             totals = await asyncio.to_thread(distributed.sum_over_processes, totals)
         reward_sum, count, kl_sum = totals
-        if self.trainer.kl_in_reward and not self.trainer.uses_gae:
+        if penalise:
             metrics = {**metrics, "kl_penalty": float(kl_sum / max(count, 1))}
         train_s = time.perf_counter() - t0
         self.version += 1
