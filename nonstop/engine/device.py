@@ -68,6 +68,16 @@ def _sample(logits: Array, sampling: SamplingArrays) -> StepOutput:
     return StepOutput(*sample(logits, *sampling))
 
 
+@jax.jit
+def _sample_into(logits: Array, sampling: SamplingArrays, first: Array, targets: Array
+                 ) -> tuple[StepOutput, Array]:
+    """`_sample`, and each row's token written into `first` at slot `targets[r]` (a target past
+    the end, for rows whose prompt is not done, writes nothing)."""
+    SAMPLER_TRACES[f"sample_into_{logits.shape[0]}x{logits.shape[1]}"] += 1
+    out = StepOutput(*sample(logits, *sampling))
+    return out, first.at[targets].set(out.tokens, mode="drop")
+
+
 class DeviceSteps:
     """The jitted prefill and decode of one model, with a trace counter per function."""
 
@@ -86,10 +96,19 @@ class DeviceSteps:
             jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
             else cache_sharding(model.cfg, num_slots=num_slots, max_len=max_len, mesh=mesh))
         self.cfg = model.cfg
+        # Where sampled tokens land (and so `new_first`): the logits' device, or replicated
+        # over the engine's mesh (the steps' pinned output sharding).
+        self._first_sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                                if mesh is None else replicated(mesh))
         self.num_slots = num_slots
         self.max_len = max_len
         self.cache_dtype = cache_dtype or model.dtype
         self.steps_per_call = steps_per_call
+        # The stand-in for "no previous step" is placed as the tokens it stands for, or jit
+        # would compile a second variant.
+        self._no_previous = jax.device_put(
+            np.zeros((steps_per_call, num_slots) if steps_per_call > 1 else num_slots, np.int32),
+            self._first_sharding)
         self.traces: collections.Counter[str] = collections.Counter()
         # On a mesh, pin the cache's layout so a step never hands the next one a new sharding.
         pinned = {} if mesh is None else {"out_shardings": (self.cache_sharding, replicated(mesh))}
@@ -291,8 +310,9 @@ class DeviceSteps:
                positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None,
                previous: Array | None = None, from_previous: np.ndarray | None = None
                ) -> tuple[KVCache, StepOutput]:
-        """Feed tokens int32[S] at positions int32[S]; sample the next token of every slot
-        (with `steps_per_call` K > 1: the next K tokens, each output [K, S]).
+        """Feed tokens int32[S] (a host or device array; the scheduler passes `new_first`'s)
+        at positions int32[S]; sample the next token of every slot (with `steps_per_call`
+        K > 1: the next K tokens, each output [K, S]).
 
         `attend_len` (a compiled length; default the whole cache) must exceed every position
         that matters this call. Rows where `from_previous` is true are fed `previous` instead
@@ -308,6 +328,33 @@ class DeviceSteps:
         cache, logits = self._decode(state, cache, tokens, positions, previous, from_previous,
                                      attend_len=attend_len or self.max_len)
         return cache, _sample(logits, sampling)
+
+    def prefill_into(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
+                     starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                     sampling: SamplingArrays, first: Array, targets: np.ndarray
+                     ) -> tuple[KVCache, StepOutput, Array]:
+        """`prefill`, with each row's sampled token also written into the device array `first`
+        int32[S] at slot `targets[r]` (num_slots: nowhere), so the next decode can be fed it
+        without the host reading it first (see `decode`). Returns the new `first`."""
+        cache, logits = self._prefill(state, cache, tokens, np.asarray(starts, np.int32),
+                                      np.asarray(lengths, np.int32), np.asarray(slots, np.int32))
+        out, first = _sample_into(logits, sampling, first, np.asarray(targets, np.int32))
+        return cache, out, first
+
+    def prefill_images_into(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
+                            features: np.ndarray, lookahead: np.ndarray, start: int,
+                            length: int, slot: int, sampling: SamplingArrays, first: Array,
+                            target: int) -> tuple[KVCache, StepOutput, Array]:
+        """`prefill_images`, placing the sampled token into `first` as `prefill_into` does."""
+        cache, logits = self._prefill_images(state, cache, tokens, features, lookahead,
+                                             np.int32(start), np.int32(length), np.int32(slot))
+        out, first = _sample_into(logits, sampling, first, np.full(1, target, np.int32))
+        return cache, out, first
+
+    def new_first(self) -> Array:
+        """The device array of fresh slots' first tokens, int32[S] (zeros), placed as sampled
+        tokens are (see `warmup`)."""
+        return jax.device_put(np.zeros(self.num_slots, np.int32), self._first_sharding)
 
     def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, starts: np.ndarray,
                 lengths: np.ndarray, slots: np.ndarray, sampling: SamplingArrays
@@ -325,34 +372,22 @@ class DeviceSteps:
         """Compile decode for each attention length, prefill for each chunk size and row
         count and, with `swap`, the slot read and write; writes nothing (all rows parked,
         slot 0 rewritten with what it holds)."""
-        S, K = self.num_slots, self.steps_per_call
+        S = self.num_slots
         sampling = idle_sampling(S)
         lengths = attention_lengths or (self.max_len,)
-        # Sampled tokens come back committed to the logits' device(s): the stand-in for "no
-        # previous step" must be placed the same way, or jit would compile a second variant.
-        if K > 1:
-            shape = (K, S)
-            cache, out = self._decode_multi(state, cache, np.zeros(S, np.int32),
-                                            np.full(S, self.max_len, np.int32),
-                                            np.zeros(shape, np.int32), np.zeros(S, bool),
-                                            sampling, attend_len=lengths[-1])
-            sharding = out.tokens.sharding
-        else:
-            shape = (S,)
-            cache, out = self._decode(state, cache, np.zeros(S, np.int32),
-                                      np.full(S, self.max_len, np.int32), np.zeros(S, np.int32),
-                                      np.zeros(S, bool), attend_len=lengths[-1])
-            sharding = _sample(out, sampling).tokens.sharding
-        self._no_previous = jax.device_put(np.zeros(shape, np.int32), sharding)
+        # The scheduler feeds decode its fresh slots' tokens from the device (`new_first`) and
+        # prefills through `prefill_into`: compile exactly those (a host array in their place
+        # would key another compilation).
+        first = self.new_first()
         for length in lengths:
-            cache, out = self.decode(state, cache, np.zeros(S, np.int32),
-                                     np.full(S, self.max_len, np.int32), sampling, length)
+            cache, out = self.decode(state, cache, first, np.full(S, self.max_len, np.int32),
+                                     sampling, length)
             jax.block_until_ready(out)
         for R in prefill_rows:
             for C in chunk_sizes:
-                cache, out = self.prefill(state, cache, np.zeros((R, C), np.int32),
-                                          np.full(R, self.max_len), np.zeros(R), np.zeros(R),
-                                          idle_sampling(R))
+                cache, out, first = self.prefill_into(
+                    state, cache, np.zeros((R, C), np.int32), np.full(R, self.max_len),
+                    np.zeros(R), np.zeros(R), idle_sampling(R), first, np.full(R, S))
                 jax.block_until_ready(out)
         if swap:
             keys, values = self.read_slot(cache, 0, self.max_len)

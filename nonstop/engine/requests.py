@@ -2,7 +2,7 @@
 
 `Request` is one generation in flight, `Session` a multi-turn episode's claim on a slot's KV
 cache between its turns (and, after an eviction with swapping on, its `SwappedCache` on the
-host), `LaunchedStep` a decode step whose tokens the host has not read yet. All are mutated only
+host), `LaunchedStep` a device call whose tokens the host has not read yet. All are mutated only
 by the scheduler thread once submitted (`scheduler.py`).
 """
 
@@ -113,14 +113,18 @@ class Request:
             seq.clear()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class LaunchedStep:
-    """A decode step on the device whose tokens the host has not read yet."""
+    """A device call (a decode step, or a prefill) whose tokens the host has not read yet."""
 
     out: StepOutput  # device arrays
-    rows: tuple[tuple[int, Request, int], ...]  # (slot, request, request epoch) fed this step
+    # Decode: (slot, request, request epoch) of every row fed. Prefill: (row, request,
+    # request epoch) of the rows whose prompt it finished, whose token is their first.
+    rows: tuple[tuple[int, Request, int], ...]
     version: int  # the policy version of the weights it runs on
     launched_ns: int
+    prefill: bool = False
+    seen_running_ns: int | None = None  # when the host last saw it not yet done
 
 
 @dataclasses.dataclass

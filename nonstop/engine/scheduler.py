@@ -1,12 +1,14 @@
 """The scheduler thread: requests, slots, sessions, and the loop that drives the device.
 
 Each iteration the thread (1) drains its inbox (new requests, cancellations, closed sessions,
-weight updates), (2) admits waiting requests into slots in arrival order, (3) prefills chunks
-(first come, first served, up to `prefill_budget` tokens while others decode) and (4) launches
-one decode step over all slots, then handles the *previous* step's tokens while the device
-computes this one. The step after a token is fed that token straight from the device (slots
-fresh from prefill take theirs from the host), so the host's bookkeeping (stop checks, emitting,
-waking callers) never leaves the device idle. A request that stops at step N has already been
+weight updates), (2) admits waiting requests into slots in arrival order, (3) launches prefill
+chunks (first come, first served, up to `prefill_budget` tokens while others decode) and (4)
+launches one decode step over all slots, then handles the tokens of the calls launched before
+it (the previous step's, and the first tokens of the prompts prefilled since) while the device
+computes this one. No call waits for another to be read back: the step after a token is fed
+that token straight from the device, and a slot fresh from prefill its first token, which the
+prefill wrote into a device array (`first`). So the host's bookkeeping (stop checks, emitting,
+waking callers, preparing the next prefill) never leaves the device idle. A request that stops at step N has already been
 given step N + 1; that token is dropped. With `EngineConfig.decode_steps_per_call` K > 1 a
 "step" here is one device call of K steps, and the host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
 copied to the device with each step.
@@ -89,11 +91,13 @@ class Scheduler(threading.Thread):
         self.prefilling: collections.deque[int] = collections.deque()
         self.decoding = np.zeros(S, bool)
         self.fresh = np.zeros(S, bool)  # next input token comes from the host (after prefill)
-        self.launched: LaunchedStep | None = None
-        self._device_free_ns = 0  # when the last decode step read back was known to be done
-        self._seen_running_ns: int | None = None  # when the launched step was last seen running
+        self.launched: LaunchedStep | None = None  # the last decode step launched
+        # Every call launched and not yet read back (decode steps and prefills), in launch
+        # order, which is the order the device runs them in.
+        self.inflight: collections.deque[LaunchedStep] = collections.deque()
+        self.first = device.new_first()  # device int32[S]: fresh slots' first tokens
+        self._device_free_ns = 0  # when the last call read back was known to be done
         self.positions = np.full(S, L, np.int32)
-        self.last_token = np.zeros(S, np.int32)
         self.temperature = np.zeros(S, np.float32)
         self.top_k = np.zeros(S, np.int32)
         self.top_p = np.ones(S, np.float32)
@@ -135,7 +139,7 @@ class Scheduler(threading.Thread):
         try:
             while True:
                 idle = (not self.waiting and not self.prefilling and not self.decoding.any()
-                        and self.launched is None)
+                        and not self.inflight)
                 self._drain(block=idle)
                 if self._stopping:
                     break
@@ -311,30 +315,10 @@ class Scheduler(threading.Thread):
         while self.prefilling and (used < self.config.prefill_budget or not self.decoding.any()):
             rows = self._next_prefill_rows()
             try:
-                out, C = self._prefill_call(rows)
+                used += self._prefill_call(rows)
             except Exception as error:  # noqa: BLE001 - the device step failed: fail the slots
                 self._device_failure(error)
                 return
-            used += len(rows) * C
-            for r, (slot, req, n) in enumerate(rows):
-                start = req.prefill_pos
-                req.prefill_pos += n
-                req.num_prefilled += n
-                self.slot_tokens[slot].extend(req.prompt[start:start + n])
-                self.counters.prefilled_tokens += n
-                perf.count(PREFILL_TOKENS, n)
-                if req.prefill_pos < len(req.prompt):
-                    continue
-                self.prefilling.remove(slot)
-                token = int(out.tokens[r])
-                self.last_token[slot], self.steps[slot] = token, 1
-                self.positions[slot] = len(req.prompt)
-                self.decoding[slot] = self.fresh[slot] = True
-                perf.count(perf.ENGINE_TOKENS, 1)
-                self._emit(req, token, float(out.logprobs[r]), float(out.sampling_logprobs[r]),
-                           self.version)
-            self.counters.prefill_chunks += len(rows)
-            self.counters.prefill_calls += 1
 
     def _next_prefill_rows(self) -> list[tuple[int, Request, int]]:
         """(slot, request, tokens) of the next prefill call: the oldest prefilling sequence's
@@ -364,45 +348,73 @@ class Scheduler(threading.Thread):
                 break
         return rows
 
-    def _prefill_call(self, rows: list[tuple[int, Request, int]]) -> tuple[Any, int]:
-        """Run one prefill call over `rows` (padded to a compiled row count); returns the
-        sampled first tokens, read back, and the chunk length."""
+    def _prefill_call(self, rows: list[tuple[int, Request, int]]) -> int:
+        """Launch one prefill call over `rows` (padded to a compiled row count) without waiting
+        for it; returns the tokens it spans. The rows that finish their prompt start decoding:
+        their first tokens go into `self.first` on the device, where the next decode step
+        takes them, and reach the host when the call is read back after that step's launch."""
+        S = self.S
+        finishing = [req.prefill_pos + n == len(req.prompt) for _, req, n in rows]
         slot, req, n = rows[0]
+        self._note_running()
+        launched_ns = time.perf_counter_ns()
         if req.image_features is not None:
             C, start = self.config.padded_size(n), req.prefill_pos
             image_id = self.device.image_token_id
             chunk = np.zeros((1, C), np.int32)
             chunk[0, :n] = req.prompt[start:start + n]
             with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C, rows=1):
-                with perf.device_busy(perf.ENGINE):
-                    feats, lookahead = image_chunk(req.prompt, req.image_features, start, n, C,
-                                                   image_id)
-                    self.cache, out = self.device.prefill_images(
-                        self.state, self.cache, chunk, feats, lookahead, start, n, slot,
-                        self._sampling(slice(slot, slot + 1)))
-                    return jax.device_get(out), C
-        C = self.config.padded_size(max(n for _, _, n in rows))
-        R = self.config.prefill_row_count(len(rows))
-        tokens = np.zeros((R, C), np.int32)
-        starts = np.full(R, self.L, np.int32)  # padding rows: parked, length 0
-        lengths = np.zeros(R, np.int32)
-        slots = np.zeros(R, np.int32)
+                feats, lookahead = image_chunk(req.prompt, req.image_features, start, n, C,
+                                               image_id)
+                self.cache, out, self.first = self.device.prefill_images_into(
+                    self.state, self.cache, chunk, feats, lookahead, start, n, slot,
+                    self._sampling(slice(slot, slot + 1)), self.first,
+                    slot if finishing[0] else S)
+        else:
+            C = self.config.padded_size(max(n for _, _, n in rows))
+            R = self.config.prefill_row_count(len(rows))
+            tokens = np.zeros((R, C), np.int32)
+            starts = np.full(R, self.L, np.int32)  # padding rows: parked, length 0
+            lengths = np.zeros(R, np.int32)
+            slots = np.zeros(R, np.int32)
+            targets = np.full(R, S, np.int32)  # where each row's token goes in `first`
+            for r, (slot, req, n) in enumerate(rows):
+                start = req.prefill_pos
+                tokens[r, :n] = req.prompt[start:start + n]
+                starts[r], lengths[r], slots[r] = start, n, slot
+                if finishing[r]:
+                    targets[r] = slot
+            with perf.span(perf.ROLLOUT_PREFILL, slot=rows[0][0], tokens=int(lengths.sum()),
+                           chunk=C, rows=len(rows)):
+                self.cache, out, self.first = self.device.prefill_into(
+                    self.state, self.cache, tokens, starts, lengths, slots, self._sampling(slots),
+                    self.first, targets)
+        firsts = []
         for r, (slot, req, n) in enumerate(rows):
             start = req.prefill_pos
-            tokens[r, :n] = req.prompt[start:start + n]
-            starts[r], lengths[r], slots[r] = start, n, slot
-        with perf.span(perf.ROLLOUT_PREFILL, slot=rows[0][0], tokens=int(lengths.sum()),
-                       chunk=C, rows=len(rows)):
-            with perf.device_busy(perf.ENGINE):
-                self.cache, out = self.device.prefill(self.state, self.cache, tokens, starts,
-                                                      lengths, slots, self._sampling(slots))
-                return jax.device_get(out), C
+            req.prefill_pos += n
+            req.num_prefilled += n
+            self.slot_tokens[slot].extend(req.prompt[start:start + n])
+            self.counters.prefilled_tokens += n
+            perf.count(PREFILL_TOKENS, n)
+            if not finishing[r]:
+                continue
+            self.prefilling.remove(slot)
+            self.steps[slot] = 1
+            self.positions[slot] = len(req.prompt)
+            self.decoding[slot] = self.fresh[slot] = True
+            firsts.append((r, req, req.epoch))
+        self.inflight.append(LaunchedStep(out=out, rows=tuple(firsts), version=self.version,
+                                          launched_ns=launched_ns, prefill=True))
+        self.counters.prefill_chunks += len(rows)
+        self.counters.prefill_calls += 1
+        return len(rows) * C
 
     def _decode_step(self) -> None:
         """Launch a decode step over the decoding slots (if any), then read back and hand out
-        the tokens of the step launched before it."""
+        the tokens of the calls launched before it (the last decode step and the prefills
+        since), in the order the device ran them."""
         previous, self.launched = self.launched, None
-        seen_running_ns, self._seen_running_ns = self._seen_running_ns, None
         active = np.flatnonzero(self.decoding)
         with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
             if len(active):
@@ -411,8 +423,17 @@ class Scheduler(threading.Thread):
                 except Exception as error:  # noqa: BLE001 - the device step failed
                     self._device_failure(error)
                     return
-            if previous is not None:
-                self._read_back(previous, seen_running_ns)
+            while self.inflight and self.inflight[0] is not self.launched:
+                self._read_back(self.inflight.popleft())
+            self._note_running()
+
+    def _note_running(self) -> None:
+        """Before launching anything (and after reading back): if the last call launched is
+        still running, note when it was seen so, for the busy accounting in `_read_back`."""
+        if self.inflight:
+            last = self.inflight[-1]
+            if not last.out.tokens.is_ready():
+                last.seen_running_ns = time.perf_counter_ns()
 
     def _launch(self, active: np.ndarray, previous: LaunchedStep | None) -> LaunchedStep:
         K = self.config.decode_steps_per_call
@@ -420,12 +441,14 @@ class Scheduler(threading.Thread):
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
         perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
         # A slot that was in the previous step (not fresh from prefill) is fed the token that
-        # step sampled, without waiting for the host to read it; `last_token` holds only the
-        # fresh slots' first tokens. (With no previous step every active slot is fresh.)
-        # Copies: the host arrays change while the device may still be reading its inputs.
+        # step sampled, a fresh one the first token its prefill put in `self.first`: both
+        # stay on the device, the host reads neither first. (With no previous step every
+        # active slot is fresh.) Copies: the host arrays change while the device may still be
+        # reading its inputs.
+        self._note_running()
         launched_ns = time.perf_counter_ns()
         self.cache, out = self.device.decode(
-            self.state, self.cache, self.last_token.copy(), self.positions.copy(),
+            self.state, self.cache, self.first, self.positions.copy(),
             SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
             previous.out.tokens if previous is not None else None, ~self.fresh)
         self.counters.decode_steps += K
@@ -434,25 +457,30 @@ class Scheduler(threading.Thread):
         self.positions[active] += K
         self.steps[active] += K
         rows = tuple((int(s), self.slot_req[s], self.slot_req[s].epoch) for s in active)
-        return LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
+        step = LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
+        self.inflight.append(step)
+        return step
 
-    def _read_back(self, step: LaunchedStep, seen_running_ns: int | None) -> None:
+    def _read_back(self, step: LaunchedStep) -> None:
         was_running = not step.out.tokens.is_ready()
         try:
             out = jax.device_get(step.out)
         except Exception as error:  # noqa: BLE001
             self._device_failure(error)
             return
-        # The device's busy interval for this step, counted conservatively: from when it could
-        # start (launched, and the step before done) to when it was seen to finish; if it had
-        # finished before the host looked, only up to when the host last saw it still running.
+        # The device's busy interval for this call, counted conservatively: from when it could
+        # start (launched, and the call before it done) to when it was seen to finish; if it
+        # had finished before the host looked, only up to when the host last saw it running.
         if was_running:
             done_ns = time.perf_counter_ns()
         else:
-            done_ns = seen_running_ns if seen_running_ns is not None else 0
+            done_ns = step.seen_running_ns if step.seen_running_ns is not None else 0
         start_ns = max(step.launched_ns, self._device_free_ns)
         perf.device_busy_interval(perf.ENGINE, start_ns, done_ns)
         self._device_free_ns = max(done_ns, start_ns)
+        if step.prefill:
+            self._emit_first_tokens(step, out)
+            return
         # Rows [K, S]: step k of the call (K = 1: one step).
         tokens = out.tokens.reshape(-1, self.S).tolist()
         logprobs = out.logprobs.reshape(-1, self.S).tolist()
@@ -471,8 +499,16 @@ class Scheduler(threading.Thread):
                 self._emit(req, tokens[k][s], logprobs[k][s], sampling_logprobs[k][s],
                            step.version)
         perf.count(perf.ENGINE_TOKENS, emitted)
-        if self.launched is not None and not self.launched.out.tokens.is_ready():
-            self._seen_running_ns = time.perf_counter_ns()
+
+    def _emit_first_tokens(self, step: LaunchedStep, out: Any) -> None:
+        """Hand out the first tokens a prefill call sampled (rows that finished a prompt)."""
+        for r, req, epoch in step.rows:
+            if req.done or req.epoch != epoch:
+                self.counters.dropped_tokens += 1  # cancelled or restarted meanwhile
+                continue
+            perf.count(perf.ENGINE_TOKENS, 1)
+            self._emit(req, int(out.tokens[r]), float(out.logprobs[r]),
+                       float(out.sampling_logprobs[r]), step.version)
 
     # ---------------------------------------------------------------- per-request bookkeeping
 
@@ -575,6 +611,8 @@ class Scheduler(threading.Thread):
             if owner is not None:
                 self._drop_session_cache(owner)
         self.launched = None
+        self.inflight.clear()
+        self.first = self.device.new_first()
         self.cache = self.device.new_cache()  # the old one may have been donated
 
     def _abort_all(self, error: BaseException | None) -> None:

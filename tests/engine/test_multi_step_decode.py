@@ -100,26 +100,30 @@ def test_k_steps_per_call_give_the_tokens_of_one_step_per_call(model):
         "decode_3x32", "decode_3x64"]
 
 
-@pytest.mark.parametrize(("k", "calls", "dropped"), [(1, 5, 1), (4, 2, 4), (3, 3, 5)])
-def test_a_lone_request_costs_the_calls_and_drops_counted_by_hand(model, k, calls, dropped):
+@pytest.mark.parametrize(("k", "max_tokens", "calls", "dropped"),
+                         [(1, 5, 5, 1), (4, 5, 2, 4), (3, 5, 3, 5), (1, 1, 1, 1), (4, 1, 1, 4)])
+def test_a_lone_request_costs_the_calls_and_drops_counted_by_hand(model, k, max_tokens, calls,
+                                                                  dropped):
     # max_tokens 5: prefill samples token 1, decode calls sample the other 4. The call after
     # the one that samples token 5 was launched before that token was read: all of it is
     # dropped. K = 1: 4 steps + 1 dropped. K = 4: tokens 2-5 in one call, the next call's 4
     # dropped. K = 3: tokens 2-4, then 5 (2 of that call dropped), then 3 dropped.
+    # max_tokens 1: the first decode call is launched (fed the prefill's token on the device)
+    # before the prefill is read back and the request found finished: all of it is dropped.
     with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
                 decode_steps_per_call=k) as engine:
         out = engine.generate_sync(_prompt(4, seed=1), SamplingParams(temperature=0.0,
-                                                                      max_tokens=5))
+                                                                      max_tokens=max_tokens))
         # The last call is read back (and its tokens dropped) just after the request resolves.
         deadline = time.monotonic() + 10
         while engine.stats().dropped_tokens < dropped and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.05)
         stats = engine.stats()
-    assert len(out.tokens) == 5 and out.finish_reason == "length"
+    assert len(out.tokens) == max_tokens and out.finish_reason == "length"
     assert (stats.decode_calls, stats.decode_steps) == (calls, calls * k)
     assert stats.dropped_tokens == dropped
-    assert stats.generated_tokens == 5
+    assert stats.generated_tokens == max_tokens
 
 
 def test_decode_steps_per_call_is_validated():
