@@ -3,7 +3,9 @@
 - `prefill`: one chunk of one slot's prompt, int32[1, C] with C from `EngineConfig.chunk_sizes`.
   Rows past the chunk's real length are parked at position max_len, where the model writes
   nothing. Only the last real row goes through the output head; its logits are sampled, so the
-  final chunk of a prompt yields the first generated token.
+  final chunk of a prompt yields the first generated token. The scheduler uses `prefill_into`,
+  which also writes that token into a device array of fresh slots' first tokens, where the next
+  decode takes it without the host reading it first.
 - `decode`: one token for every slot, int32[S]. Idle slots are parked at position max_len.
   It attends over the cache's first `attend_len` positions, one compilation per length in
   `EngineConfig.attention_lengths`: a step reads keys and values up to the longest live
@@ -125,7 +127,7 @@ class DeviceSteps:
         self._prefill_jit = jax.jit(self._with_state(self._prefill_fn), donate_argnums=(1,),
                                     **pinned)
         # Vision-language models: images are encoded once per request, and a prefill chunk that
-        # holds image tokens takes their soft tokens row by row (see `prefill_images`).
+        # holds image tokens takes their soft tokens row by row (see `prefill_images_into`).
         self.image_token_id = (model.vlm_cfg.image_token_id if isinstance(model, Gemma3VLM)
                                else None)
         if self.image_token_id is not None:
@@ -297,15 +299,6 @@ class DeviceSteps:
         feats = self._encode(state, images)
         return np.asarray(jax.device_get(feats), np.float32).reshape(-1, feats.shape[-1])
 
-    def prefill_images(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
-                       features: np.ndarray, lookahead: np.ndarray, start: int, length: int,
-                       slot: int, sampling: SamplingArrays) -> tuple[KVCache, StepOutput]:
-        """As `prefill`, with image soft tokens features float32[C, D] at the image rows and
-        lookahead int32[1, C] (image tokens see the rest of their image, all in this chunk)."""
-        cache, logits = self._prefill_images(state, cache, tokens, features, lookahead,
-                                             np.int32(start), np.int32(length), np.int32(slot))
-        return cache, _sample(logits, sampling)
-
     def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
                positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None,
                previous: Array | None = None, from_previous: np.ndarray | None = None
@@ -345,7 +338,9 @@ class DeviceSteps:
                             features: np.ndarray, lookahead: np.ndarray, start: int,
                             length: int, slot: int, sampling: SamplingArrays, first: Array,
                             target: int) -> tuple[KVCache, StepOutput, Array]:
-        """`prefill_images`, placing the sampled token into `first` as `prefill_into` does."""
+        """As `prefill_into` for one row, with image soft tokens features float32[C, D] at the
+        image rows and lookahead int32[1, C] (image tokens see the rest of their image, all in
+        this chunk)."""
         cache, logits = self._prefill_images(state, cache, tokens, features, lookahead,
                                              np.int32(start), np.int32(length), np.int32(slot))
         out, first = _sample_into(logits, sampling, first, np.full(1, target, np.int32))
