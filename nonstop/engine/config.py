@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 from nonstop.engine.types import EngineError
@@ -136,6 +137,26 @@ class EngineConfig:
             if length > max_position:
                 return length
         return self.max_len
+
+    def prefill_call_rows(self, remaining: Sequence[int | None]) -> list[tuple[int, int]]:
+        """(index, tokens) of the waiting prompts that share the next prefill call, given each
+        one's prompt tokens left to prefill in arrival order (None: may not share a call): the
+        first one's next chunk and, up to the most compiled rows, the following ones whose
+        next chunk has the same length."""
+        most = self.prefill_row_counts[-1]
+        rows: list[tuple[int, int]] = []
+        size = 0
+        for i, left in enumerate(remaining):
+            if left is None:
+                continue
+            n, C = self.next_chunk(left)
+            if rows and C != size:
+                continue
+            rows.append((i, n))
+            size = C
+            if len(rows) == most:
+                break
+        return rows
 
     def padded_size(self, n: int) -> int:
         """The smallest chunk length that holds `n` tokens (the largest if none does)."""

@@ -61,6 +61,18 @@ class Session:
         return f"Session(id={self.id}, slot={self.slot}, closed={self.closed})"
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (a slot's cached tokens and
+    a new prompt)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SwappedCache:
     """An evicted session's cache on the host: the tokens and, per layer, their keys and
@@ -144,4 +156,4 @@ class Counters:
 
 
 __all__ = ["Counters", "Detokenizer", "LaunchedStep", "Request", "Resolve", "Session",
-           "SwappedCache"]
+           "SwappedCache", "common_prefix"]

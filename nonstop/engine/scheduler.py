@@ -48,23 +48,15 @@ from nonstop.engine.requests import (
     Request,
     Session,
     SwappedCache,
+    common_prefix,
 )
+from nonstop.engine.swap import HostSwap
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
 
 _log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
 SWAP = "engine/swap"  # span: an evicted session's cache copied to the host, or back
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Scheduler(threading.Thread):
@@ -103,9 +95,7 @@ class Scheduler(threading.Thread):
         self.top_p = np.ones(S, np.float32)
         self.seeds = np.zeros(S, np.uint32)
         self.steps = np.zeros(S, np.int32)
-        self.swap_budget = int(config.swap_space_gib * 2**30)
-        self.swap_bytes = 0
-        self.swapped: collections.OrderedDict[Session, None] = collections.OrderedDict()
+        self.swap = HostSwap(int(config.swap_space_gib * 2**30), self.counters)
 
     # ---------------------------------------------------------------- from other threads
 
@@ -127,7 +117,7 @@ class Scheduler(threading.Thread):
         try:
             self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes,
                                             self.config.attention_lengths,
-                                            swap=self.swap_budget > 0,
+                                            swap=self.swap.budget > 0,
                                             prefill_rows=self.config.prefill_row_counts)
         except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
             self.startup_error = error
@@ -199,7 +189,7 @@ class Scheduler(threading.Thread):
     def _close_session(self, session: Session) -> None:
         if not session.busy:
             self._drop_session_cache(session)
-            self._drop_swapped(session)
+            self.swap.drop(session)
 
     def _drop_session_cache(self, session: Session) -> None:
         s = session.slot
@@ -233,28 +223,17 @@ class Scheduler(threading.Thread):
         device failed, and every slot with it)."""
         tokens = self.slot_tokens[slot]
         nbytes = len(tokens) * self.device.slot_position_bytes()
-        if not tokens or nbytes > self.swap_budget:
+        if not self.swap.fits(nbytes):
             return True
-        while self.swap_bytes + nbytes > self.swap_budget:
-            self._drop_swapped(next(iter(self.swapped)))
-            self.counters.swap_dropped += 1
+        self.swap.make_room(nbytes)
         try:
             with perf.span(SWAP, direction="out", tokens=len(tokens)):
                 keys, values = self.device.read_slot(self.cache, slot, len(tokens))
         except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
             self._device_failure(error)
             return False
-        session.swapped = SwappedCache(tokens=tuple(tokens), keys=keys, values=values)
-        self.swapped[session] = None
-        self.swap_bytes += nbytes
-        self.counters.swapped_out += 1
+        self.swap.store(session, SwappedCache(tokens=tuple(tokens), keys=keys, values=values))
         return True
-
-    def _drop_swapped(self, session: Session) -> None:
-        if session.swapped is not None:
-            self.swap_bytes -= session.swapped.nbytes
-            session.swapped = None
-            del self.swapped[session]
 
     def _admit(self) -> None:
         if not self.waiting:
@@ -280,7 +259,7 @@ class Scheduler(threading.Thread):
             req.session.slot = slot
             swapped = req.session.swapped
             if swapped is not None:
-                self._drop_swapped(req.session)
+                self.swap.drop(req.session)
                 if not cached and req.image_features is None:
                     try:
                         with perf.span(SWAP, direction="in", tokens=len(swapped.tokens)):
@@ -293,7 +272,7 @@ class Scheduler(threading.Thread):
                     self.counters.swapped_in += 1
         else:
             cached.clear()
-        n = min(_common_prefix(cached, req.prompt), len(req.prompt) - 1)
+        n = min(common_prefix(cached, req.prompt), len(req.prompt) - 1)
         if req.image_features is not None:  # equal placeholders may stand for other images
             n = 0
         del cached[n:]
@@ -323,30 +302,19 @@ class Scheduler(threading.Thread):
     def _next_prefill_rows(self) -> list[tuple[int, Request, int]]:
         """(slot, request, tokens) of the next prefill call: the oldest prefilling sequence's
         next chunk and, up to `prefill_rows`, the following ones whose next chunk has the same
-        length (a chunk holding image tokens goes alone)."""
-        most = self.config.prefill_row_counts[-1]
-        rows: list[tuple[int, Request, int]] = []
-        size = 0
-        for slot in self.prefilling:
-            req = self.slot_req[slot]
-            assert req is not None
-            remaining = len(req.prompt) - req.prefill_pos
-            if req.image_features is not None:
-                if rows:
-                    continue
-                # The largest chunks: an image run must fit whole.
-                n = image_safe_length(req.prompt, req.prefill_pos,
-                                      min(remaining, self.config.chunk_sizes[-1]),
-                                      self.device.image_token_id)
-                return [(slot, req, n)]
-            n, C = self.config.next_chunk(remaining)
-            if rows and C != size:
-                continue
-            rows.append((slot, req, n))
-            size = C
-            if len(rows) == most:
-                break
-        return rows
+        length (`EngineConfig.prefill_call_rows`); a chunk holding image tokens goes alone."""
+        reqs = [(slot, self.slot_req[slot]) for slot in self.prefilling]
+        slot, req = reqs[0]
+        assert req is not None
+        if req.image_features is not None:  # the largest chunks: an image run must fit whole
+            n = image_safe_length(req.prompt, req.prefill_pos,
+                                  min(len(req.prompt) - req.prefill_pos,
+                                      self.config.chunk_sizes[-1]),
+                                  self.device.image_token_id)
+            return [(slot, req, n)]
+        remaining = [None if r.image_features is not None else len(r.prompt) - r.prefill_pos
+                     for _, r in reqs]
+        return [(*reqs[i], n) for i, n in self.config.prefill_call_rows(remaining)]
 
     def _prefill_call(self, rows: list[tuple[int, Request, int]]) -> int:
         """Launch one prefill call over `rows` (padded to a compiled row count) without waiting
@@ -599,8 +567,7 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):  # caches computed by the old weights
             if owner is not None:
                 self._drop_session_cache(owner)
-        for session in list(self.swapped):
-            self._drop_swapped(session)
+        self.swap.clear()
         self.waiting.extendleft(reversed(running))
 
     def _device_failure(self, error: BaseException) -> None:

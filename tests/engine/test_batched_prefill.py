@@ -10,28 +10,20 @@ import asyncio
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from nonstop.engine import Engine, SamplingParams
 from nonstop.engine.config import EngineConfig, EngineConfigError
 from nonstop.engine.device import DeviceSteps, idle_sampling
 from nonstop.engine.requests import Request
 from nonstop.engine.scheduler import Scheduler
-from nonstop.models import ModelConfig, init_decoder
+from tests.engine.engine_fixtures import random_prompt, sharp_tiny_model
 
 MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = init_decoder(ModelConfig.tiny("qwen3"), seed=4)
-    # Random init at std 0.02 gives near-uniform logits; scale up so greedy has no near-ties.
-    nnx.update(m, jax.tree.map(lambda x: x * 25.0 if x.ndim > 1 else x, nnx.state(m)))
-    return m
-
-
-def _prompt(n, seed):
-    return np.random.RandomState(seed).randint(3, 250, n).tolist()
+    return sharp_tiny_model(seed=4)
 
 
 def test_prefill_row_counts_are_powers_of_two_up_to_the_setting():
@@ -49,8 +41,8 @@ def test_one_call_of_several_rows_equals_the_rows_one_at_a_time(model):
     state = device.initial_state
     # Slot 3 already holds 4 positions of its prompt; the call continues it at position 4.
     head = np.zeros((1, 8), np.int32)
-    head[0, :4] = _prompt(4, seed=9)
-    rows = [(2, 0, _prompt(5, seed=1)), (0, 0, _prompt(8, seed=2)), (3, 4, _prompt(3, seed=3))]
+    head[0, :4] = random_prompt(4, seed=9)
+    rows = [(2, 0, random_prompt(5, seed=1)), (0, 0, random_prompt(8, seed=2)), (3, 4, random_prompt(3, seed=3))]
 
     def start():
         cache, _ = device.prefill(state, device.new_cache(), head, [0], [4], [3],
@@ -88,7 +80,7 @@ def test_the_scheduler_puts_waiting_prompts_with_equal_chunks_together(model):
     lengths = [5, 20, 6, 7, 30, 3]  # next chunk: 8, 32, 8, 8, 32, 8
     for i, n in enumerate(lengths):
         scheduler._accept(Request(
-            prompt=_prompt(n, seed=i), temperature=0.0, top_k=0, top_p=1.0, seed=i,
+            prompt=random_prompt(n, seed=i), temperature=0.0, top_k=0, top_p=1.0, seed=i,
             max_tokens=1, stop_ids=frozenset(), stop=(), session=None,
             resolve=lambda result, i=i: done.__setitem__(i, result)))
     scheduler._admit()
@@ -106,14 +98,14 @@ def test_the_scheduler_puts_waiting_prompts_with_equal_chunks_together(model):
     assert sorted(done) == list(range(6))
     with Engine(model, max_slots=1, max_len=MAX_LEN, prefill_chunks=(8, 32)) as one_by_one:
         for i, n in enumerate(lengths):
-            expected = one_by_one.generate_sync(_prompt(n, seed=i),
+            expected = one_by_one.generate_sync(random_prompt(n, seed=i),
                                                 SamplingParams(temperature=0.0, max_tokens=1))
             assert done[i].tokens == expected.tokens
             np.testing.assert_allclose(done[i].logprobs, expected.logprobs, atol=1e-5)
 
 
 def test_an_engine_prefilling_rows_together_matches_one_prefilling_one_by_one(model):
-    requests = [(_prompt(2 + 9 * i % 41, seed=i), SamplingParams(temperature=t, max_tokens=5,
+    requests = [(random_prompt(2 + 9 * i % 41, seed=i), SamplingParams(temperature=t, max_tokens=5,
                                                                  seed=i))
                 for i, t in zip(range(12), [0.0, 1.0] * 6, strict=True)]
 

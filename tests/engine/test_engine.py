@@ -366,15 +366,15 @@ def test_swap_round_trip_and_budget(model):
     sched.cache = cache
     a, b, c = (Session(sched, i) for i in range(3))
     sched.slot_tokens[0], sched.slot_tokens[1], sched.slot_tokens[2] = [5] * 4, [6] * 6, [7] * 11
-    assert sched._swap_out(a, 0) and sched.swap_bytes == 4 * per
-    assert sched._swap_out(b, 1) and sched.swap_bytes == 10 * per
+    assert sched._swap_out(a, 0) and sched.swap.bytes == 4 * per
+    assert sched._swap_out(b, 1) and sched.swap.bytes == 10 * per
     np.testing.assert_array_equal(b.swapped.keys[0], keys[0])
     assert sched._swap_out(c, 2)  # 11 positions never fit: not copied, nothing dropped
     assert c.swapped is None and sched.counters.swap_dropped == 0
     sched.slot_tokens[2] = [7] * 3
     assert sched._swap_out(c, 2)  # 13 > 10: the least recently evicted (a) is dropped
     assert a.swapped is None and b.swapped.tokens == (6,) * 6 and c.swapped.tokens == (7,) * 3
-    assert sched.counters.swap_dropped == 1 and sched.swap_bytes == 9 * per
-    assert list(sched.swapped) == [b, c]
+    assert sched.counters.swap_dropped == 1 and sched.swap.bytes == 9 * per
+    assert list(sched.swap.sessions) == [b, c]
     sched._close_session(b)  # a closed session's host copy goes too
-    assert b.swapped is None and sched.swap_bytes == 3 * per
+    assert b.swapped is None and sched.swap.bytes == 3 * per

@@ -9,28 +9,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from nonstop.engine import Engine, SamplingParams
 from nonstop.engine.config import EngineConfig, EngineConfigError
-from nonstop.models import ModelConfig, init_decoder
+from tests.engine.engine_fixtures import random_prompt, sharp_tiny_model
 
 MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def model():
-    m = init_decoder(ModelConfig.tiny("qwen3"), seed=5)
-    # Random init at std 0.02 gives near-uniform logits; scale up so greedy has no near-ties.
-    nnx.update(m, jax.tree.map(lambda x: x * 25.0 if x.ndim > 1 else x, nnx.state(m)))
-    return m
-
-
-def _prompt(n, seed):
-    return np.random.RandomState(seed).randint(3, 250, n).tolist()
+    return sharp_tiny_model(seed=5)
 
 
 STOP_IDS = tuple(range(3, 40))  # ~15% of the vocabulary: sampled runs hit one within a few tokens
@@ -42,9 +33,9 @@ def _requests():
         params = SamplingParams(temperature=[0.0, 1.0, 0.8][i % 3], top_k=[0, 0, 20][i % 3],
                                 max_tokens=[5, 7, 11, 2, None][i % 5], seed=i,
                                 stop_token_ids=STOP_IDS if i % 2 else ())
-        out.append((_prompt(3 + 5 * i, seed=i), params))
+        out.append((random_prompt(3 + 5 * i, seed=i), params))
     # Runs into the end of the cache: 60 prompt tokens, no max_tokens, no stop.
-    out.append((_prompt(60, seed=99), SamplingParams(temperature=1.0, seed=99)))
+    out.append((random_prompt(60, seed=99), SamplingParams(temperature=1.0, seed=99)))
     return out
 
 
@@ -59,9 +50,9 @@ def _run(model, k):
             params = SamplingParams(temperature=1.0, seed=seed, max_tokens=9,
                                     stop_token_ids=STOP_IDS)
             with engine.session() as s:
-                prompt = _prompt(6, seed=seed)
+                prompt = random_prompt(6, seed=seed)
                 first = await engine.generate(prompt, params, session=s)
-                context = prompt + list(first.tokens) + _prompt(3, seed=seed + 1)
+                context = prompt + list(first.tokens) + random_prompt(3, seed=seed + 1)
                 second = await engine.generate(context, params, session=s)
             return [first, second]
 
@@ -112,7 +103,7 @@ def test_a_lone_request_costs_the_calls_and_drops_counted_by_hand(model, k, max_
     # before the prefill is read back and the request found finished: all of it is dropped.
     with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
                 decode_steps_per_call=k) as engine:
-        out = engine.generate_sync(_prompt(4, seed=1), SamplingParams(temperature=0.0,
+        out = engine.generate_sync(random_prompt(4, seed=1), SamplingParams(temperature=0.0,
                                                                       max_tokens=max_tokens))
         # The last call is read back (and its tokens dropped) just after the request resolves.
         deadline = time.monotonic() + 10

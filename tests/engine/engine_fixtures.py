@@ -1,0 +1,21 @@
+"""Shared builders for engine tests: a tiny model with decisive logits and seeded prompts."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nonstop.models import ModelConfig, init_decoder
+
+
+def sharp_tiny_model(seed: int):
+    """A tiny Qwen3 decoder whose weights are scaled up: random init at std 0.02 gives
+    near-uniform logits, and scaled ones leave greedy decoding no near-ties."""
+    m = init_decoder(ModelConfig.tiny("qwen3"), seed=seed)
+    nnx.update(m, jax.tree.map(lambda x: x * 25.0 if x.ndim > 1 else x, nnx.state(m)))
+    return m
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return np.random.RandomState(seed).randint(3, 250, n).tolist()
