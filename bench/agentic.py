@@ -240,8 +240,8 @@ def main() -> None:
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
-              f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} {'lag99 ms':>8} "
-              f"{'compiles':>8}")
+              f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} "
+              f"{'lag99 ms':>8} {'compiles':>8}")
     print(header)
     for name in args.latencies:
         kind, mean_s = LATENCIES[name]

@@ -8,10 +8,11 @@ it (the previous step's, and the first tokens of the prompts prefilled since) wh
 computes this one. No call waits for another to be read back: the step after a token is fed
 that token straight from the device, and a slot fresh from prefill its first token, which the
 prefill wrote into a device array (`first`). So the host's bookkeeping (stop checks, emitting,
-waking callers, preparing the next prefill) never leaves the device idle. A request that stops at step N has already been
-given step N + 1; that token is dropped. With `EngineConfig.decode_steps_per_call` K > 1 a
-"step" here is one device call of K steps, and the host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
-copied to the device with each step.
+waking callers, preparing the next prefill) never leaves the device idle. A request that stops
+at step N has already been given step N + 1; that token is dropped. With
+`EngineConfig.decode_steps_per_call` K > 1 a "step" here is one device call of K steps, and
+the host walks each row's K tokens in order. Everything else per slot lives in small numpy
+arrays, copied to the device with each step.
 
 A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
 `slot_tokens[s]` is the exact list of token ids whose keys and values are valid in slot s, so a
@@ -82,7 +83,7 @@ class Scheduler(threading.Thread):
         self.slot_tokens: list[list[int]] = [[] for _ in range(S)]
         self.prefilling: collections.deque[int] = collections.deque()
         self.decoding = np.zeros(S, bool)
-        self.fresh = np.zeros(S, bool)  # next input token comes from the host (after prefill)
+        self.fresh = np.zeros(S, bool)  # next input token is its prefill's, from `first`
         self.launched: LaunchedStep | None = None  # the last decode step launched
         # Every call launched and not yet read back (decode steps and prefills), in launch
         # order, which is the order the device runs them in.
