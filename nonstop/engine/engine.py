@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nonstop.engine.config import EngineConfig, EngineConfigError
-from nonstop.engine.device import SAMPLER_TRACES, DeviceSteps
+from nonstop.engine.device import DeviceSteps
 from nonstop.engine.images import check_image_prompt
 from nonstop.engine.requests import Detokenizer, Request, Resolve, Session
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
@@ -311,10 +311,10 @@ class Engine:
             swapped_out=c.swapped_out if c else 0,
             swapped_in=c.swapped_in if c else 0,
             swap_dropped=c.swap_dropped if c else 0,
-            waiting=len(s.waiting) if s else 0,
+            waiting=len(s.waiting) + len(s.returning) if s else 0,
             active_slots=int(s.decoding.sum()) + len(s.prefilling) if s else 0,
             policy_version=self.policy_version,
-            traces={**self._device.traces, **SAMPLER_TRACES})
+            traces=dict(self._device.traces))
 
 
 def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -75,17 +75,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SwappedCache:
-    """An evicted session's cache on the host: the tokens and, per layer, their keys and
-    values [K, len(tokens), H]."""
+    """An evicted session's cache: the tokens and their keys and values, one array (see
+    `DeviceSteps.start_read_slot`). While the copy to the host is under way (`on_host` false)
+    it is the device row [2, layers, K, max_len, H]; then a host array
+    [2, layers, K, len(tokens), H]."""
 
     tokens: tuple[int, ...]
-    keys: tuple[np.ndarray, ...]
-    values: tuple[np.ndarray, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory it holds (what counts against `swap_space_gib`)."""
-        return sum(x.nbytes for x in (*self.keys, *self.values))
+    kv: Any
+    nbytes: int  # host memory it holds once on the host (what counts against swap_space_gib)
+    on_host: bool
 
 
 @dataclasses.dataclass(eq=False)

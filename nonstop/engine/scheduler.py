@@ -1,29 +1,31 @@
 """The scheduler thread: requests, slots, sessions, and the loop that drives the device.
 
 Each iteration the thread (1) drains its inbox (new requests, cancellations, closed sessions,
-weight updates), (2) admits waiting requests into slots in arrival order, (3) launches prefill
-chunks (first come, first served, up to `prefill_budget` tokens while others decode) and (4)
-launches one decode step over all slots, then handles the tokens of the calls launched before
-it (the previous step's, and the first tokens of the prompts prefilled since) while the device
-computes this one. No call waits for another to be read back: the step after a token is fed
-that token straight from the device, and a slot fresh from prefill its first token, which the
-prefill wrote into a device array (`first`). So the host's bookkeeping (stop checks, emitting,
-waking callers, preparing the next prefill) never leaves the device idle. A request that stops
-at step N has already been given step N + 1; that token is dropped. With
-`EngineConfig.decode_steps_per_call` K > 1 a "step" here is one device call of K steps, and
-the host walks each row's K tokens in order. Everything else per slot lives in small numpy
-arrays, copied to the device with each step.
+weight updates), (2) admits sessions' next turns into the slots their caches hold, and waiting
+requests into free (or evicted) slots in arrival order, (3) launches prefill chunks (first
+come, first served, up to `prefill_budget` tokens while others decode) and (4) launches one
+decode step over all slots, then handles the tokens of the calls launched before it (the
+previous step's, and the first tokens of the prompts prefilled since) while the device computes
+this one. No call waits for another to be read back: the step after a token is fed that token
+straight from the device, and a slot fresh from prefill its first token, which the prefill
+wrote into a device array (`first`). So the host's bookkeeping (stop checks, emitting, waking
+callers, preparing the next prefill) never leaves the device idle. A request that stops at step
+N has already been given step N + 1; that token is dropped. With
+`EngineConfig.decode_steps_per_call` K > 1 a "step" here is one device call of K steps, and the
+host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
+copied to the device with each step.
 
 A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
 `slot_tokens[s]` is the exact list of token ids whose keys and values are valid in slot s, so a
 session's next turn prefills only what follows their longest common prefix with the new prompt
 (at least one token: the logits of the last prompt token are needed). Without a free slot the
 least recently used idle session is evicted; its next turn then prefills from scratch, which
-gives the same tokens. With `EngineConfig.swap_space_gib` > 0 its keys and values are first
-copied to the host (least recently evicted copies dropped first) and written back into whichever
-slot its next turn gets, so that turn prefills only its new tokens; the restored cache is bit
-for bit the one computed before. Stale cache entries beyond a slot's valid prefix are never
-read: every row attends only to positions <= its own, and writes its own position first.
+gives the same tokens. With `EngineConfig.swap_space_gib` > 0 a copy of its keys and values is
+launched first (not waited for; `HostSwap` takes it to the host once it is there, least
+recently evicted copies dropped first) and written back into whichever slot its next turn
+gets, so that turn prefills only its new tokens; the restored cache is bit for bit the one
+computed before. Stale cache entries beyond a slot's valid prefix are never read: every row
+attends only to positions <= its own, and writes its own position first.
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ class Scheduler(threading.Thread):
         self._cv = threading.Condition()
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
         self._stopping = False
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()  # for a slot, in order
+        # Sessions' next turns whose cache still holds a slot: nothing takes a busy session's
+        # slot, so each goes back into its own at the next admission, queueing for nothing.
+        self.returning: collections.deque[Request] = collections.deque()
         self.slot_req: list[Request | None] = [None] * S
         self.slot_owner: list[Session | None] = [None] * S
         self.slot_tokens: list[list[int]] = [[] for _ in range(S)]
@@ -129,8 +134,10 @@ class Scheduler(threading.Thread):
         self.ready.set()
         try:
             while True:
-                idle = (not self.waiting and not self.prefilling and not self.decoding.any()
-                        and not self.inflight)
+                idle = (not self.waiting and not self.returning and not self.prefilling
+                        and not self.decoding.any() and not self.inflight)
+                if idle:
+                    self._settle_swaps(wait=True)  # nothing else to do: free the device rows
                 self._drain(block=idle)
                 if self._stopping:
                     break
@@ -138,6 +145,7 @@ class Scheduler(threading.Thread):
                 if self.prefilling:
                     self._prefill_some()
                 self._decode_step()
+                self._settle_swaps()
         finally:
             with self._cv:
                 self._stopping = True
@@ -174,6 +182,9 @@ class Scheduler(threading.Thread):
             return
         if s is not None:
             s.busy = True
+            if s.slot is not None:
+                self.returning.append(req)
+                return
         self.waiting.append(req)
 
     def _cancel(self, req: Request) -> None:
@@ -182,8 +193,8 @@ class Scheduler(threading.Thread):
         req.done = True
         if req.slot >= 0:
             self._release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        else:
+            (self.returning if req in self.returning else self.waiting).remove(req)
             if req.session is not None:
                 req.session.busy = False
 
@@ -202,8 +213,8 @@ class Scheduler(threading.Thread):
     # ---------------------------------------------------------------- admission
 
     def _slot_for(self, req: Request) -> int | None:
-        if req.session is not None and req.session.slot is not None:
-            return req.session.slot
+        """A free slot for `req`, else one taken from the least recently used idle session
+        (its cache swapped out first if the budget allows); None if there is neither."""
         for s in range(self.S):
             if self.slot_req[s] is None and self.slot_owner[s] is None:
                 return s
@@ -220,8 +231,8 @@ class Scheduler(threading.Thread):
         return slot
 
     def _swap_out(self, session: Session, slot: int) -> bool:
-        """Copy an evicted session's cache to the host if the budget allows (False: the
-        device failed, and every slot with it)."""
+        """Launch a copy of an evicted session's cache to the host if the budget allows,
+        without waiting for it (False: the device failed, and every slot with it)."""
         tokens = self.slot_tokens[slot]
         nbytes = len(tokens) * self.device.slot_position_bytes()
         if not self.swap.fits(nbytes):
@@ -229,27 +240,43 @@ class Scheduler(threading.Thread):
         self.swap.make_room(nbytes)
         try:
             with perf.span(SWAP, direction="out", tokens=len(tokens)):
-                keys, values = self.device.read_slot(self.cache, slot, len(tokens))
+                kv = self.device.start_read_slot(self.cache, slot)
         except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
             self._device_failure(error)
             return False
-        self.swap.store(session, SwappedCache(tokens=tuple(tokens), keys=keys, values=values))
+        self.swap.store(session, SwappedCache(tokens=tuple(tokens), kv=kv, nbytes=nbytes,
+                                              on_host=False))
         return True
 
+    def _settle_swaps(self, *, wait: bool = False) -> None:
+        """Take the swap copies that have reached the host (with `wait`, all) off the
+        device."""
+        if self.swap.copying:
+            try:
+                self.swap.settle(wait=wait)
+            except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
+                self._device_failure(error)
+
     def _admit(self) -> None:
-        if not self.waiting:
-            return
-        full = False  # no free or evictable slot is left: only sessions' own slots remain
-        for req in list(self.waiting):
-            own = req.session is not None and req.session.slot is not None
-            if full and not own:
-                continue  # O(1) per request: a long queue costs no slot scans per step
-            slot = self._slot_for(req)
+        """Returning turns into their sessions' slots, then waiting requests in arrival order
+        until no slot is free or evictable: O(admitted), however long the queue."""
+        while self.returning:
+            req = self.returning.popleft()
+            assert req.session is not None and req.session.slot is not None
+            self._start(req, req.session.slot)
+        while self.waiting:
+            slot = self._slot_for(self.waiting[0])
             if slot is None:
-                full = True
-                continue
-            self.waiting.remove(req)
-            self._start(req, slot)
+                return
+            self._start(self.waiting.popleft(), slot)
+
+    def _requeue_returning(self) -> None:
+        """After sessions' caches were dropped wholesale: their waiting turns queue for a slot
+        like any request, in arrival order."""
+        if self.returning:
+            self.waiting = collections.deque(sorted((*self.waiting, *self.returning),
+                                                    key=lambda r: r.arrival))
+            self.returning.clear()
 
     def _start(self, req: Request, slot: int) -> None:
         req.slot = slot
@@ -264,8 +291,7 @@ class Scheduler(threading.Thread):
                 if not cached and req.image_features is None:
                     try:
                         with perf.span(SWAP, direction="in", tokens=len(swapped.tokens)):
-                            self.cache = self.device.write_slot(self.cache, slot, swapped.keys,
-                                                                swapped.values)
+                            self.cache = self.device.write_slot(self.cache, slot, swapped.kv)
                     except Exception as error:  # noqa: BLE001 - fails this and every slot
                         self._device_failure(error)
                         return
@@ -408,7 +434,7 @@ class Scheduler(threading.Thread):
         K = self.config.decode_steps_per_call
         attend_len = self.config.attention_length(int(self.positions[active].max()) + K - 1)
         perf.gauge(perf.ENGINE_ACTIVE_SLOTS, len(active))
-        perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting))
+        perf.gauge(perf.ENGINE_QUEUE_DEPTH, len(self.waiting) + len(self.returning))
         # A slot that was in the previous step (not fresh from prefill) is fed the token that
         # step sampled, a fresh one the first token its prefill put in `self.first`: both
         # stay on the device, the host reads neither first. (With no previous step every
@@ -569,6 +595,7 @@ class Scheduler(threading.Thread):
             if owner is not None:
                 self._drop_session_cache(owner)
         self.swap.clear()
+        self._requeue_returning()
         self.waiting.extendleft(reversed(running))
 
     def _device_failure(self, error: BaseException) -> None:
@@ -578,6 +605,9 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):
             if owner is not None:
                 self._drop_session_cache(owner)
+        self._requeue_returning()
+        for session in list(self.swap.copying):  # copies the failure may have hit
+            self.swap.drop(session)
         self.launched = None
         self.inflight.clear()
         self.first = self.device.new_first()
@@ -585,7 +615,8 @@ class Scheduler(threading.Thread):
 
     def _abort_all(self, error: BaseException | None) -> None:
         """Stop: running requests end "aborted" with what they have; waiting ones likewise."""
-        for req in [r for r in self.slot_req if r is not None] + list(self.waiting):
+        for req in [r for r in self.slot_req if r is not None] + [*self.returning,
+                                                                  *self.waiting]:
             if req.done:
                 continue
             req.done = True
@@ -593,3 +624,4 @@ class Scheduler(threading.Thread):
                 self._release(req)
             req.resolve(error if error is not None else self._completion(req, "aborted", None))
         self.waiting.clear()
+        self.returning.clear()

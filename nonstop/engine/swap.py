@@ -1,15 +1,20 @@
 """Host swap space: the KV caches of evicted sessions, kept on the host within a byte budget
 (`EngineConfig.swap_space_gib`) so a session's next turn prefills only its new tokens.
 
-The scheduler thread copies a slot's keys and values out when it evicts an idle session and
-hands them to `HostSwap.store`; the least recently evicted copies are dropped first to make
-room. Only the scheduler thread touches it.
+When the scheduler thread evicts an idle session it launches a copy of the slot's keys and
+values (`DeviceSteps.start_read_slot`) and hands the device rows to `HostSwap.store` without
+waiting for them; `settle` later swaps each copy that has reached the host for host arrays of
+just the session's positions, which frees the device rows. A turn that comes back before its
+copy settled is written back from the device rows directly. The least recently evicted copies
+are dropped first to make room. Only the scheduler thread touches it.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
+from nonstop.engine.device import DeviceSteps
 from nonstop.engine.requests import Counters, Session, SwappedCache
 
 
@@ -20,6 +25,7 @@ class HostSwap:
         self.budget = budget_bytes
         self.bytes = 0
         self.sessions: collections.OrderedDict[Session, None] = collections.OrderedDict()
+        self.copying: dict[Session, None] = {}  # copies not on the host yet, in launch order
         self.counters = counters
 
     def fits(self, nbytes: int) -> bool:
@@ -35,15 +41,31 @@ class HostSwap:
     def store(self, session: Session, cache: SwappedCache) -> None:
         session.swapped = cache
         self.sessions[session] = None
+        if not cache.on_host:
+            self.copying[session] = None
         self.bytes += cache.nbytes
         self.counters.swapped_out += 1
 
+    def settle(self, *, wait: bool = False) -> None:
+        """Take the copies that have reached the host (all of them, waiting, with `wait`) as
+        host arrays of the sessions' positions, freeing their device rows. A device error
+        propagates; the copies not yet settled are kept."""
+        for session in list(self.copying):
+            cache = session.swapped
+            assert cache is not None and not cache.on_host
+            if not wait and not cache.kv.is_ready():
+                break  # launched in order: the later ones are not done either
+            session.swapped = dataclasses.replace(
+                cache, kv=DeviceSteps.slot_to_host(cache.kv, len(cache.tokens)), on_host=True)
+            del self.copying[session]
+
     def drop(self, session: Session) -> None:
-        """Forget `session`'s host copy, if it has one."""
+        """Forget `session`'s copy, if it has one."""
         if session.swapped is not None:
             self.bytes -= session.swapped.nbytes
             session.swapped = None
             del self.sessions[session]
+            self.copying.pop(session, None)
 
     def clear(self) -> None:
         for session in list(self.sessions):

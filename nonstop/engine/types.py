@@ -55,9 +55,9 @@ class Completion:
 
     def __post_init__(self) -> None:
         for name in ("tokens", "policy_versions"):
-            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
+            object.__setattr__(self, name, tuple(map(int, getattr(self, name))))
         for name in ("logprobs", "sampling_logprobs"):
-            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+            object.__setattr__(self, name, tuple(map(float, getattr(self, name))))
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"Completion.finish_reason: got {self.finish_reason!r}; "
                              f"valid: {FINISH_REASONS}")

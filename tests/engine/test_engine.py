@@ -303,6 +303,54 @@ def test_admission_with_every_slot_taken_still_seats_a_sessions_own_slot(model):
     sched._release(busy[0])
     sched._admit()
     assert queued[0].slot == freed and list(sched.waiting) == [queued[1]]
+    # The admission pass stops at the first request it cannot seat: one slot search however
+    # long the queue.
+    searches = []
+    slot_for = sched._slot_for
+    sched._slot_for = lambda req: searches.append(req) or slot_for(req)
+    more = [request(10 + i) for i in range(50)]
+    for req in more:
+        sched._accept(req)
+    sched._admit()
+    assert searches == [queued[1]] and list(sched.waiting) == [queued[1], *more]
+
+
+def test_new_weights_that_drop_session_caches_requeue_their_turns_in_arrival_order(model):
+    """A turn returning to its session's slot queues like any request once new weights
+    (on_weight_update="abort") dropped that slot's cache, in arrival order with the requests
+    already waiting."""
+    from nonstop.engine.config import EngineConfig
+    from nonstop.engine.device import DeviceSteps
+    from nonstop.engine.requests import Request
+    from nonstop.engine.scheduler import Scheduler
+
+    device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN)
+    sched = Scheduler(device, device.initial_state, 0, EngineConfig(
+        max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8,), on_weight_update="abort"),
+        None)
+
+    def request(seed, session=None):
+        return Request(prompt=_prompt(4, seed=seed), temperature=0.0, top_k=0, top_p=1.0,
+                       seed=0, max_tokens=2, stop_ids=frozenset(), stop=(), session=session,
+                       resolve=lambda _: None)
+
+    sessions = [Session(sched, i) for i in range(SLOTS)]
+    for i, session in enumerate(sessions):
+        sched._accept(request(i, session))
+    sched._admit()
+    for req in list(sched.slot_req):
+        sched._release(req)  # every slot now holds an idle session's cache
+    early = request(100)
+    sched._accept(early)  # waits: nothing is free, but it is older than the turns below
+    late_turns = [request(200 + i, s) for i, s in enumerate(sessions[:2])]
+    for req in late_turns:
+        sched._accept(req)
+    assert list(sched.returning) == late_turns and list(sched.waiting) == [early]
+    sched._apply_weights(device.initial_state, 1)
+    assert not sched.returning and list(sched.waiting) == [early, *late_turns]
+    assert all(s.slot is None for s in sessions)
+    sched._admit()  # every slot is free now: all three are seated, the oldest first
+    assert [r.slot for r in (early, *late_turns)] == [0, 1, 2] and not sched.waiting
 
 
 def _two_turns(engine, *, evict):
@@ -350,13 +398,13 @@ def test_swap_round_trip_and_budget(model):
     per = device.slot_position_bytes()
     assert per == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32
     rng = np.random.default_rng(0)
-    shape = (cfg.num_kv_heads, 6, cfg.head_dim)
-    keys = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(cfg.num_layers))
-    values = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(cfg.num_layers))
-    cache = device.write_slot(device.new_cache(), 1, keys, values)
-    got_k, got_v = device.read_slot(cache, 1, 6)
-    for a, b in zip(got_k + got_v, keys + values, strict=True):
-        np.testing.assert_array_equal(a, b)
+    kv = rng.normal(size=(2, cfg.num_layers, cfg.num_kv_heads, 6, cfg.head_dim)
+                    ).astype(np.float32)  # keys, then values
+    cache = device.write_slot(device.new_cache(), 1, kv)
+    np.testing.assert_array_equal(device.read_slot(cache, 1, 6), kv)
+    for layer in range(cfg.num_layers):
+        np.testing.assert_array_equal(np.asarray(cache.keys[layer][1, :, :6]), kv[0, layer])
+        np.testing.assert_array_equal(np.asarray(cache.values[layer][1, :, :6]), kv[1, layer])
     assert not np.asarray(cache.keys[0][0]).any()  # other slots untouched
     assert not np.asarray(cache.keys[0][1, :, 6:]).any()  # the rest of the row zeroed
 
@@ -368,7 +416,17 @@ def test_swap_round_trip_and_budget(model):
     sched.slot_tokens[0], sched.slot_tokens[1], sched.slot_tokens[2] = [5] * 4, [6] * 6, [7] * 11
     assert sched._swap_out(a, 0) and sched.swap.bytes == 4 * per
     assert sched._swap_out(b, 1) and sched.swap.bytes == 10 * per
-    np.testing.assert_array_equal(b.swapped.keys[0], keys[0])
+    # The copies were launched, not waited for: device rows until settled, which takes them
+    # to the host as just the sessions' positions.
+    assert not b.swapped.on_host and list(sched.swap.copying) == [a, b]
+    assert b.swapped.kv.shape == (2, cfg.num_layers, cfg.num_kv_heads, MAX_LEN, cfg.head_dim)
+    from_device = device.write_slot(device.new_cache(), 2, b.swapped.kv)
+    np.testing.assert_array_equal(np.asarray(from_device.values[1][2]),
+                                  np.asarray(cache.values[1][1]))  # written back as it is
+    sched.swap.settle(wait=True)
+    assert b.swapped.on_host and not sched.swap.copying and sched.swap.bytes == 10 * per
+    np.testing.assert_array_equal(b.swapped.kv, kv)
+    assert b.swapped.kv.nbytes == 6 * per
     assert sched._swap_out(c, 2)  # 11 positions never fit: not copied, nothing dropped
     assert c.swapped is None and sched.counters.swap_dropped == 0
     sched.slot_tokens[2] = [7] * 3
