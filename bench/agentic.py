@@ -207,6 +207,9 @@ def main() -> None:
                         help="EngineConfig.prefill_rows (turns starting together share a call)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="EngineConfig.decode_steps_per_call (decode steps per device call)")
+    parser.add_argument("--swap-gib", type=float, default=0.0,
+                        help="EngineConfig.swap_space_gib (evicted sessions' caches kept on the "
+                             "host; 0: off, their next turn prefills its whole context)")
     parser.add_argument("--latencies", nargs="+", choices=tuple(LATENCIES),
                         default=tuple(LATENCIES))
     parser.add_argument("--seconds", type=float, default=None,
@@ -222,7 +225,8 @@ def main() -> None:
     engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
                     prefill_chunks=(16, 64), decode_buckets=4,
                     prefill_rows=args.prefill_rows,
-                    decode_steps_per_call=args.decode_steps).start()
+                    decode_steps_per_call=args.decode_steps,
+                    swap_space_gib=args.swap_gib).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 
@@ -236,8 +240,10 @@ def main() -> None:
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
           f"prefill_rows={args.prefill_rows} decode_steps_per_call={args.decode_steps} "
-          f"sync_batch={sync_batch} "
+          f"swap_space_gib={args.swap_gib} sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
+    settings = {"prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
+                "swap_space_gib": args.swap_gib}
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
               f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} "
@@ -272,7 +278,7 @@ def main() -> None:
                   f"{r['compiles_after_warmup']:8.0f}")
             rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
                          "mode": mode, "slots": slots, "concurrency": conc,
-                         "episodes": n, "repeats": repeats, **r})
+                         "episodes": n, "repeats": repeats, **settings, **r})
         a = results["async"]["episodes_per_s"]
         ratio_limit, ratio_sync = a / results["limit"]["episodes_per_s"], a / \
             results["sync"]["episodes_per_s"]
@@ -285,7 +291,7 @@ def main() -> None:
                      "mode": "ratios", "async_over_limit": ratio_limit,
                      "async_over_sync": ratio_sync, "steady_async_over_limit": steady_limit,
                      "steady_async_over_sync": steady_sync, "concurrency": concurrency,
-                     "slots": slots})
+                     "slots": slots, **settings})
     engine.stop()
     if args.out:
         with args.out.open("a") as f:
