@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from nonstop.engine.device import StepOutput
-from nonstop.engine.types import Completion
+from nonstop.engine.types import Completion, FinishReason
 
 if TYPE_CHECKING:
     from nonstop.engine.scheduler import Scheduler
@@ -114,6 +114,32 @@ class Request:
     versions: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     epoch: int = 0  # bumped by restart(): decode steps launched before it are dropped
+
+    def finish_reason(self, token: int, tokenizer: Detokenizer | None, max_len: int
+                      ) -> tuple[FinishReason | None, Any]:
+        """Whether the request stops at `token` (its latest), why, and on what: a stop id or
+        string, `max_tokens`, or the end of a cache of `max_len` positions."""
+        if token in self.stop_ids:
+            return "stop", token
+        if self.stop:
+            assert tokenizer is not None
+            text = tokenizer.decode(self.tokens)
+            for s in self.stop:
+                if s in text:
+                    return "stop", s
+        if self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
+            return "length", None
+        if len(self.prompt) + len(self.tokens) >= max_len:
+            return "cache_full", None
+        return None, None
+
+    def completion(self, reason: FinishReason, why: Any) -> Completion:
+        return Completion(tokens=self.tokens, logprobs=self.logprobs, finish_reason=reason,
+                          policy_versions=self.versions,
+                          sampling_logprobs=self.sampling_logprobs, stop_reason=why,
+                          num_prefilled=self.num_prefilled, num_cached=self.num_cached,
+                          first_token_s=None if self.first_token_at is None
+                          else self.first_token_at - self.arrival)
 
     def restart(self) -> None:
         self.epoch += 1

@@ -50,16 +50,14 @@ from nonstop.engine.requests import (
     LaunchedStep,
     Request,
     Session,
-    SwappedCache,
     common_prefix,
 )
-from nonstop.engine.swap import HostSwap
-from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
+from nonstop.engine.swap import SWAP, HostSwap
+from nonstop.engine.types import EngineError, FinishReason, RequestError
 
 _log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
-SWAP = "engine/swap"  # span: an evicted session's cache copied to the host, or back
 
 
 class Scheduler(threading.Thread):
@@ -231,21 +229,13 @@ class Scheduler(threading.Thread):
         return slot
 
     def _swap_out(self, session: Session, slot: int) -> bool:
-        """Launch a copy of an evicted session's cache to the host if the budget allows,
-        without waiting for it (False: the device failed, and every slot with it)."""
-        tokens = self.slot_tokens[slot]
-        nbytes = len(tokens) * self.device.slot_position_bytes()
-        if not self.swap.fits(nbytes):
-            return True
-        self.swap.make_room(nbytes)
+        """Launch a copy of an evicted session's cache to the host if the budget allows
+        (`HostSwap.copy_out`; False: the device failed, and every slot with it)."""
         try:
-            with perf.span(SWAP, direction="out", tokens=len(tokens)):
-                kv = self.device.start_read_slot(self.cache, slot)
+            self.swap.copy_out(session, self.slot_tokens[slot], self.device, self.cache, slot)
         except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
             self._device_failure(error)
             return False
-        self.swap.store(session, SwappedCache(tokens=tuple(tokens), kv=kv, nbytes=nbytes,
-                                              on_host=False))
         return True
 
     def _settle_swaps(self, *, wait: bool = False) -> None:
@@ -518,41 +508,18 @@ class Scheduler(threading.Thread):
         req.versions.append(version)
         self.counters.generated_tokens += 1
         try:
-            reason, why = self._finish_reason(req, token)
+            reason, why = req.finish_reason(token, self.tokenizer, self.L)
         except Exception as error:  # noqa: BLE001 - e.g. the tokenizer failed on this request
             self._fail(req, EngineError(f"checking stop conditions failed: {error!r}"))
             return
         if reason is not None:
             self._finish(req, reason, why)
 
-    def _finish_reason(self, req: Request, token: int) -> tuple[FinishReason | None, Any]:
-        if token in req.stop_ids:
-            return "stop", token
-        if req.stop:
-            assert self.tokenizer is not None
-            text = self.tokenizer.decode(req.tokens)
-            for s in req.stop:
-                if s in text:
-                    return "stop", s
-        if req.max_tokens is not None and len(req.tokens) >= req.max_tokens:
-            return "length", None
-        if len(req.prompt) + len(req.tokens) >= self.L:
-            return "cache_full", None
-        return None, None
-
-    def _completion(self, req: Request, reason: FinishReason, why: Any) -> Completion:
-        return Completion(tokens=req.tokens, logprobs=req.logprobs, finish_reason=reason,
-                          policy_versions=req.versions, sampling_logprobs=req.sampling_logprobs,
-                          stop_reason=why, num_prefilled=req.num_prefilled,
-                          num_cached=req.num_cached,
-                          first_token_s=None if req.first_token_at is None
-                          else req.first_token_at - req.arrival)
-
     def _finish(self, req: Request, reason: FinishReason, why: Any = None) -> None:
         req.done = True
         self._release(req)
         self.counters.completed += 1
-        req.resolve(self._completion(req, reason, why))
+        req.resolve(req.completion(reason, why))
 
     def _fail(self, req: Request, error: BaseException) -> None:
         req.done = True
@@ -606,8 +573,7 @@ class Scheduler(threading.Thread):
             if owner is not None:
                 self._drop_session_cache(owner)
         self._requeue_returning()
-        for session in list(self.swap.copying):  # copies the failure may have hit
-            self.swap.drop(session)
+        self.swap.drop_copying()
         self.launched = None
         self.inflight.clear()
         self.first = self.device.new_first()
@@ -622,6 +588,6 @@ class Scheduler(threading.Thread):
             req.done = True
             if req.slot >= 0:
                 self._release(req)
-            req.resolve(error if error is not None else self._completion(req, "aborted", None))
+            req.resolve(error if error is not None else req.completion("aborted", None))
         self.waiting.clear()
         self.returning.clear()

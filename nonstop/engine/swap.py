@@ -14,8 +14,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from nonstop import perf
 from nonstop.engine.device import DeviceSteps
 from nonstop.engine.requests import Counters, Session, SwappedCache
+from nonstop.models.decoder import KVCache
+
+SWAP = "engine/swap"  # span: an evicted session's cache copied to the host, or back
 
 
 class HostSwap:
@@ -37,6 +41,20 @@ class HostSwap:
         while self.bytes + nbytes > self.budget:
             self.drop(next(iter(self.sessions)))
             self.counters.swap_dropped += 1
+
+    def copy_out(self, session: Session, tokens: list[int], device: DeviceSteps, cache: KVCache,
+                 slot: int) -> None:
+        """Launch a copy of the cache of `session`, being evicted from `slot` (whose valid
+        positions hold `tokens`), if the budget allows, without waiting for it. A device error
+        propagates, with nothing stored."""
+        nbytes = len(tokens) * device.slot_position_bytes()
+        if not self.fits(nbytes):
+            return
+        self.make_room(nbytes)
+        with perf.span(SWAP, direction="out", tokens=len(tokens)):
+            kv = device.start_read_slot(cache, slot)
+        self.store(session, SwappedCache(tokens=tuple(tokens), kv=kv, nbytes=nbytes,
+                                         on_host=False))
 
     def store(self, session: Session, cache: SwappedCache) -> None:
         session.swapped = cache
@@ -67,9 +85,15 @@ class HostSwap:
             del self.sessions[session]
             self.copying.pop(session, None)
 
+    def drop_copying(self) -> None:
+        """Forget the copies not on the host yet (after a device failure that may have hit
+        them)."""
+        for session in list(self.copying):
+            self.drop(session)
+
     def clear(self) -> None:
         for session in list(self.sessions):
             self.drop(session)
 
 
-__all__ = ["HostSwap"]
+__all__ = ["SWAP", "HostSwap"]
