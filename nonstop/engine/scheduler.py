@@ -210,9 +210,9 @@ class Scheduler(threading.Thread):
 
     # ---------------------------------------------------------------- admission
 
-    def _slot_for(self, req: Request) -> int | None:
-        """A free slot for `req`, else one taken from the least recently used idle session
-        (its cache swapped out first if the budget allows); None if there is neither."""
+    def _free_slot(self) -> int | None:
+        """A free slot, else one taken from the least recently used idle session (its cache
+        swapped out first if the budget allows); None if there is neither."""
         for s in range(self.S):
             if self.slot_req[s] is None and self.slot_owner[s] is None:
                 return s
@@ -255,7 +255,7 @@ class Scheduler(threading.Thread):
             assert req.session is not None and req.session.slot is not None
             self._start(req, req.session.slot)
         while self.waiting:
-            slot = self._slot_for(self.waiting[0])
+            slot = self._free_slot()
             if slot is None:
                 return
             self._start(self.waiting.popleft(), slot)
