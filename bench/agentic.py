@@ -210,6 +210,10 @@ def main() -> None:
     parser.add_argument("--swap-gib", type=float, default=0.0,
                         help="EngineConfig.swap_space_gib (evicted sessions' caches kept on the "
                              "host; 0: off, their next turn prefills its whole context)")
+    parser.add_argument("--parked-slots", type=int, default=None,
+                        help="EngineConfig.parked_slots (evicted sessions' caches kept in a "
+                             "second cache on the device; default --max-concurrency: every "
+                             "episode in flight; 0: off)")
     parser.add_argument("--latencies", nargs="+", choices=tuple(LATENCIES),
                         default=tuple(LATENCIES))
     parser.add_argument("--seconds", type=float, default=None,
@@ -220,13 +224,14 @@ def main() -> None:
     sync_batch = args.sync_batch or slots
     cfg = model_config(args.size)
     max_len = PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
+    parked = args.max_concurrency if args.parked_slots is None else args.parked_slots
     # Attention buckets and batched prefill on: throughput over bit-exact batch invariance
     # (see EngineConfig).
     engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
                     prefill_chunks=(16, 64), decode_buckets=4,
                     prefill_rows=args.prefill_rows,
                     decode_steps_per_call=args.decode_steps,
-                    swap_space_gib=args.swap_gib).start()
+                    swap_space_gib=args.swap_gib, parked_slots=parked).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 
@@ -240,10 +245,10 @@ def main() -> None:
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
           f"prefill_rows={args.prefill_rows} decode_steps_per_call={args.decode_steps} "
-          f"swap_space_gib={args.swap_gib} sync_batch={sync_batch} "
+          f"swap_space_gib={args.swap_gib} parked_slots={parked} sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     settings = {"prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
-                "swap_space_gib": args.swap_gib}
+                "swap_space_gib": args.swap_gib, "parked_slots": parked}
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
               f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} "

@@ -65,6 +65,14 @@ class EngineConfig:
     4.7x fewer tokens and ran 15-18% more episodes/s at 200 ms tool latency (less steadily at
     1000 ms: -5% to +27%), with the device less busy (the host's per-step work, not prefill,
     was then the limit).
+    parked_slots: rows of a second KV cache on the device (each the size of a slot's) where
+        idle sessions evicted from their slots are kept. The decode step does not run over
+        them; an evicted session's cache is moved there, and moved back into whichever slot its
+        next turn gets, so that turn prefills only its new tokens, with no copy through the
+        host. All the moves of one admission pass run as one device call. When it is full, the
+        least recently parked session goes on to the host swap space (`swap_space_gib`) if that
+        is on, else its cache is dropped. 0 (the default): off. Bit for bit the same results
+        as without it.
     on_weight_update: "continue" keeps in-flight sequences going on the new weights (each token
     records its policy version); "abort" restarts them on the new weights.
     seed: the engine's stream of seeds for requests that bring none.
@@ -79,6 +87,7 @@ class EngineConfig:
     decode_steps_per_call: int = 1
     cache_dtype: CacheDtype | None = None
     swap_space_gib: float = 0.0
+    parked_slots: int = 0
     on_weight_update: WeightUpdateMode = "continue"
     seed: int = 0
 
@@ -104,6 +113,10 @@ class EngineConfig:
         if isinstance(swap, bool) or not isinstance(swap, int | float) or not 0 <= swap < 1e6:
             raise EngineConfigError(f"EngineConfig.swap_space_gib: got {swap!r}; valid: a "
                                     "number of GiB >= 0 (0 turns session swapping off)")
+        parked = self.parked_slots
+        if isinstance(parked, bool) or not isinstance(parked, int) or parked < 0:
+            raise EngineConfigError(f"EngineConfig.parked_slots: got {parked!r}; valid: an int "
+                                    ">= 0 (0 turns parking off)")
         if self.on_weight_update not in get_args(WeightUpdateMode):
             raise EngineConfigError(f"EngineConfig.on_weight_update: got "
                                     f"{self.on_weight_update!r}; valid: "

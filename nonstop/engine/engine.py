@@ -87,6 +87,9 @@ class EngineStats:
     swapped_out: int  # evicted sessions' caches copied to the host (swap_space_gib)
     swapped_in: int  # ... written back for their next turn
     swap_dropped: int  # ... dropped from the host to stay within the budget
+    parked: int  # evicted sessions' caches moved into the parking cache (parked_slots)
+    unparked: int  # ... moved back for their next turn
+    park_dropped: int  # ... pushed out of a full parking cache
     waiting: int
     active_slots: int
     policy_version: int
@@ -117,7 +120,8 @@ class Engine:
         dtype = None if self.config.cache_dtype is None else jnp.dtype(self.config.cache_dtype)
         self._device = DeviceSteps(model, num_slots=self.config.max_slots,
                                    max_len=self.config.max_len, cache_dtype=dtype, mesh=mesh,
-                                   steps_per_call=self.config.decode_steps_per_call)
+                                   steps_per_call=self.config.decode_steps_per_call,
+                                   parked_slots=self.config.parked_slots)
         self._initial_version = policy_version
         self._scheduler: Scheduler | None = None
         self._seeds = random.Random(self.config.seed)
@@ -311,6 +315,9 @@ class Engine:
             swapped_out=c.swapped_out if c else 0,
             swapped_in=c.swapped_in if c else 0,
             swap_dropped=c.swap_dropped if c else 0,
+            parked=c.parked if c else 0,
+            unparked=c.unparked if c else 0,
+            park_dropped=c.park_dropped if c else 0,
             waiting=len(s.waiting) + len(s.returning) if s else 0,
             active_slots=int(s.decoding.sum()) + len(s.prefilling) if s else 0,
             policy_version=self.policy_version,

@@ -177,6 +177,9 @@ class Counters:
     swapped_out: int = 0  # evicted sessions' caches copied to the host
     swapped_in: int = 0  # ... and written back for their next turn
     swap_dropped: int = 0  # ... dropped from the host to stay within swap_space_gib
+    parked: int = 0  # evicted sessions' caches moved into the parking cache
+    unparked: int = 0  # ... and moved back for their next turn
+    park_dropped: int = 0  # ... pushed out of a full parking cache (to the host swap if on)
 
 
 __all__ = ["Counters", "Detokenizer", "LaunchedStep", "Request", "Resolve", "Session",

@@ -24,7 +24,9 @@ gives the same tokens. With `EngineConfig.swap_space_gib` > 0 a copy of its keys
 launched first (not waited for; `HostSwap` takes it to the host once it is there, least
 recently evicted copies dropped first) and written back into whichever slot its next turn
 gets, so that turn prefills only its new tokens; the restored cache is bit for bit the one
-computed before. Stale cache entries beyond a slot's valid prefix are never read: every row
+computed before. With `EngineConfig.parked_slots` > 0 the evicted rows move instead into a
+parking cache on the device, and back, all the moves of an admission pass in one device call
+(`swap.Parking`). Stale cache entries beyond a slot's valid prefix are never read: every row
 attends only to positions <= its own, and writes its own position first.
 """
 
@@ -52,7 +54,7 @@ from nonstop.engine.requests import (
     Session,
     common_prefix,
 )
-from nonstop.engine.swap import SWAP, HostSwap
+from nonstop.engine.swap import EvictedCaches
 from nonstop.engine.types import EngineError, FinishReason, RequestError
 
 _log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class Scheduler(threading.Thread):
         self.top_p = np.ones(S, np.float32)
         self.seeds = np.zeros(S, np.uint32)
         self.steps = np.zeros(S, np.int32)
-        self.swap = HostSwap(int(config.swap_space_gib * 2**30), self.counters)
+        self.evicted = EvictedCaches(device, config, self.counters)
 
     # ---------------------------------------------------------------- from other threads
 
@@ -121,8 +123,9 @@ class Scheduler(threading.Thread):
         try:
             self.cache = self.device.warmup(self.state, self.cache, self.config.chunk_sizes,
                                             self.config.attention_lengths,
-                                            swap=self.swap.budget > 0,
+                                            swap=self.evicted.swap.budget > 0,
                                             prefill_rows=self.config.prefill_row_counts)
+            self.cache = self.evicted.warmup(self.cache)
         except BaseException as error:  # noqa: BLE001 - reported to start() and every caller
             self.startup_error = error
             self.ready.set()
@@ -199,7 +202,7 @@ class Scheduler(threading.Thread):
     def _close_session(self, session: Session) -> None:
         if not session.busy:
             self._drop_session_cache(session)
-            self.swap.drop(session)
+            self.evicted.drop(session)
 
     def _drop_session_cache(self, session: Session) -> None:
         s = session.slot
@@ -212,7 +215,7 @@ class Scheduler(threading.Thread):
 
     def _free_slot(self) -> int | None:
         """A free slot, else one taken from the least recently used idle session (its cache
-        swapped out first if the budget allows); None if there is neither."""
+        parked, or swapped out if the budget allows); None if there is neither."""
         for s in range(self.S):
             if self.slot_req[s] is None and self.slot_owner[s] is None:
                 return s
@@ -222,17 +225,17 @@ class Scheduler(threading.Thread):
         victim = min(idle, key=lambda o: o.last_used)
         slot = victim.slot
         assert slot is not None
-        if not self._swap_out(victim, slot):
+        if not self._evict(victim, slot):
             return None
         self._drop_session_cache(victim)
         self.counters.evictions += 1
         return slot
 
-    def _swap_out(self, session: Session, slot: int) -> bool:
-        """Launch a copy of an evicted session's cache to the host if the budget allows
-        (`HostSwap.copy_out`; False: the device failed, and every slot with it)."""
+    def _evict(self, session: Session, slot: int) -> bool:
+        """Keep an evicted session's cache, parked or swapped out if on (`EvictedCaches.evict`;
+        False: the device failed, and every slot with it)."""
         try:
-            self.swap.copy_out(session, self.slot_tokens[slot], self.device, self.cache, slot)
+            self.cache = self.evicted.evict(self.cache, session, slot, self.slot_tokens[slot])
         except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
             self._device_failure(error)
             return False
@@ -241,15 +244,15 @@ class Scheduler(threading.Thread):
     def _settle_swaps(self, *, wait: bool = False) -> None:
         """Take the swap copies that have reached the host (with `wait`, all) off the
         device."""
-        if self.swap.copying:
-            try:
-                self.swap.settle(wait=wait)
-            except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
-                self._device_failure(error)
+        try:
+            self.evicted.settle(wait=wait)
+        except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
+            self._device_failure(error)
 
     def _admit(self) -> None:
         """Returning turns into their sessions' slots, then waiting requests in arrival order
-        until no slot is free or evictable: O(admitted), however long the queue."""
+        until no slot is free or evictable: O(admitted), however long the queue. The pass's
+        parking moves run as one call at its end, before anything is prefilled."""
         while self.returning:
             req = self.returning.popleft()
             assert req.session is not None and req.session.slot is not None
@@ -257,8 +260,13 @@ class Scheduler(threading.Thread):
         while self.waiting:
             slot = self._free_slot()
             if slot is None:
-                return
+                break
             self._start(self.waiting.popleft(), slot)
+        if self.evicted.pending:
+            try:
+                self.cache = self.evicted.flush(self.cache)
+            except Exception as error:  # noqa: BLE001 - the device failed: fail the slots
+                self._device_failure(error)
 
     def _requeue_returning(self) -> None:
         """After sessions' caches were dropped wholesale: their waiting turns queue for a slot
@@ -275,18 +283,14 @@ class Scheduler(threading.Thread):
         if req.session is not None:
             self.slot_owner[slot] = req.session
             req.session.slot = slot
-            swapped = req.session.swapped
-            if swapped is not None:
-                self.swap.drop(req.session)
-                if not cached and req.image_features is None:
-                    try:
-                        with perf.span(SWAP, direction="in", tokens=len(swapped.tokens)):
-                            self.cache = self.device.write_slot(self.cache, slot, swapped.kv)
-                    except Exception as error:  # noqa: BLE001 - fails this and every slot
-                        self._device_failure(error)
-                        return
-                    cached.extend(swapped.tokens)
-                    self.counters.swapped_in += 1
+            try:
+                self.cache, kept = self.evicted.restore(
+                    self.cache, req.session, slot,
+                    into_slot=not cached and req.image_features is None)
+            except Exception as error:  # noqa: BLE001 - fails this and every slot
+                self._device_failure(error)
+                return
+            cached.extend(kept)
         else:
             cached.clear()
         n = min(common_prefix(cached, req.prompt), len(req.prompt) - 1)
@@ -561,7 +565,7 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):  # caches computed by the old weights
             if owner is not None:
                 self._drop_session_cache(owner)
-        self.swap.clear()
+        self.evicted.clear()
         self._requeue_returning()
         self.waiting.extendleft(reversed(running))
 
@@ -573,7 +577,7 @@ class Scheduler(threading.Thread):
             if owner is not None:
                 self._drop_session_cache(owner)
         self._requeue_returning()
-        self.swap.drop_copying()
+        self.evicted.reset()
         self.launched = None
         self.inflight.clear()
         self.first = self.device.new_first()

@@ -181,3 +181,32 @@ def test_an_engine_on_its_sub_mesh_running_several_steps_a_call_generates_the_sa
     want = run["after"]
     assert got.tokens == want.tokens and got.policy_versions == want.policy_versions
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_an_engine_on_its_sub_mesh_parks_evicted_sessions_bit_exactly(run):
+    """Parking on a mesh: the parking cache is sharded like the cache (3 rows: not a multiple
+    of the data axis); an evicted session's turn equals the same turn without the eviction."""
+    engine = Engine(init_decoder(CFG, seed=0), mesh=run["placement"].engine_mesh, max_slots=2,
+                    max_len=32, prefill_chunks=(8,), parked_slots=3)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def two_turns(others: int):
+        with engine.session() as session:
+            first = engine.generate_sync(PROMPT, params, session=session, timeout=60)
+            rivals = [engine.session() for _ in range(others)]
+            for i, rival in enumerate(rivals):
+                engine.generate_sync([3 + i, 4, 5], params, session=rival, timeout=60)
+            second = engine.generate_sync(PROMPT + list(first.tokens) + [7, 8], params,
+                                          session=session, timeout=60)
+            for rival in rivals:
+                rival.close()
+        return second
+
+    with engine:
+        traces = dict(engine.stats().traces)
+        kept = two_turns(0)
+        parked = two_turns(2)
+        stats = engine.stats()
+        assert stats.parked >= 1 and stats.unparked == 1 and engine.stats().traces == traces
+    assert parked.num_cached == kept.num_cached == len(PROMPT) + 3
+    assert parked.tokens == kept.tokens and parked.logprobs == kept.logprobs

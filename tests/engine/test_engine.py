@@ -414,25 +414,103 @@ def test_swap_round_trip_and_budget(model):
     sched.cache = cache
     a, b, c = (Session(sched, i) for i in range(3))
     sched.slot_tokens[0], sched.slot_tokens[1], sched.slot_tokens[2] = [5] * 4, [6] * 6, [7] * 11
-    assert sched._swap_out(a, 0) and sched.swap.bytes == 4 * per
-    assert sched._swap_out(b, 1) and sched.swap.bytes == 10 * per
+    assert sched._evict(a, 0) and sched.evicted.swap.bytes == 4 * per
+    assert sched._evict(b, 1) and sched.evicted.swap.bytes == 10 * per
     # The copies were launched, not waited for: device rows until settled, which takes them
     # to the host as just the sessions' positions.
-    assert not b.swapped.on_host and list(sched.swap.copying) == [a, b]
+    assert not b.swapped.on_host and list(sched.evicted.swap.copying) == [a, b]
     assert b.swapped.kv.shape == (2, cfg.num_layers, cfg.num_kv_heads, MAX_LEN, cfg.head_dim)
     from_device = device.write_slot(device.new_cache(), 2, b.swapped.kv)
     np.testing.assert_array_equal(np.asarray(from_device.values[1][2]),
                                   np.asarray(cache.values[1][1]))  # written back as it is
-    sched.swap.settle(wait=True)
-    assert b.swapped.on_host and not sched.swap.copying and sched.swap.bytes == 10 * per
+    sched.evicted.swap.settle(wait=True)
+    assert b.swapped.on_host and not sched.evicted.swap.copying and sched.evicted.swap.bytes == 10 * per
     np.testing.assert_array_equal(b.swapped.kv, kv)
     assert b.swapped.kv.nbytes == 6 * per
-    assert sched._swap_out(c, 2)  # 11 positions never fit: not copied, nothing dropped
+    assert sched._evict(c, 2)  # 11 positions never fit: not copied, nothing dropped
     assert c.swapped is None and sched.counters.swap_dropped == 0
     sched.slot_tokens[2] = [7] * 3
-    assert sched._swap_out(c, 2)  # 13 > 10: the least recently evicted (a) is dropped
+    assert sched._evict(c, 2)  # 13 > 10: the least recently evicted (a) is dropped
     assert a.swapped is None and b.swapped.tokens == (6,) * 6 and c.swapped.tokens == (7,) * 3
-    assert sched.counters.swap_dropped == 1 and sched.swap.bytes == 9 * per
-    assert list(sched.swap.sessions) == [b, c]
+    assert sched.counters.swap_dropped == 1 and sched.evicted.swap.bytes == 9 * per
+    assert list(sched.evicted.swap.sessions) == [b, c]
     sched._close_session(b)  # a closed session's host copy goes too
-    assert b.swapped is None and sched.swap.bytes == 3 * per
+    assert b.swapped is None and sched.evicted.swap.bytes == 3 * per
+
+
+def test_park_moves_rows_out_and_back_in_one_call(model):
+    """`DeviceSteps.park`: a slot gives its row to the parking cache and takes a parked one back
+    in the same call; padding moves write nothing."""
+    from nonstop.engine.device import DeviceSteps
+
+    device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN, parked_slots=4)
+    assert device.park_row_counts() == (1, SLOTS)
+    cfg = model.cfg
+    rng = np.random.default_rng(1)
+    shape = (2, cfg.num_layers, cfg.num_kv_heads, MAX_LEN, cfg.head_dim)
+    x, y = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
+    cache = device.write_slot(device.new_cache(), 1, x)
+    pool = device.write_slot(device.new_pool(), 2, y)
+    cache, pool = device.park(cache, pool, [(1, 0)], [(2, 1)])  # padded to 1 move: none
+    np.testing.assert_array_equal(device.read_slot(pool, 0, MAX_LEN), x)
+    np.testing.assert_array_equal(device.read_slot(cache, 1, MAX_LEN), y)
+    np.testing.assert_array_equal(device.read_slot(pool, 2, MAX_LEN), y)  # a copy: kept
+    for s in (0, 2):
+        assert not device.read_slot(cache, s, MAX_LEN).any()
+    assert not device.read_slot(pool, 1, MAX_LEN).any() and not device.read_slot(
+        pool, 3, MAX_LEN).any()
+    cache, pool = device.park(cache, pool, [(1, 3), (0, 1)], [(0, 2)])  # 2 moves: padded to 3
+    np.testing.assert_array_equal(device.read_slot(pool, 3, MAX_LEN), y)
+    np.testing.assert_array_equal(device.read_slot(cache, 2, MAX_LEN), x)
+    assert device.traces["park_1"] == 1 and device.traces["park_3"] == 1
+
+
+def test_parking_rows_moved_back_are_reused_only_after_their_call():
+    from nonstop.engine.requests import Counters
+    from nonstop.engine.swap import Parking
+
+    counters = Counters()
+    parking = Parking(2, counters)
+    a, b, c = (Session(None, i) for i in range(3))  # type: ignore[arg-type]
+    parking.park(a, 0, [1, 2])
+    parking.park(b, 1, [3])
+    assert parking.take_moves() == ([(0, 0), (1, 1)], []) and parking.full()
+    assert parking.unpark(a, 2) == [1, 2] and parking.pending
+    # Its row is read by this pass's call: filling it in the same call is not allowed.
+    assert parking.full() and parking.oldest() == (b, 1)
+    assert parking.take_moves() == ([], [(0, 2)]) and not parking.full()
+    parking.park(c, 2, [4])
+    assert parking.sessions == {b: 1, c: 0} and parking.tokens[0] == [4]
+    parking.drop(b)
+    assert not parking.full() and parking.tokens[1] == [] and list(parking.sessions) == [c]
+    assert (counters.parked, counters.unparked) == (3, 1)
+
+
+def test_a_parked_session_cache_is_bit_exact_and_a_full_parking_cache_overflows_to_the_host(
+        model):
+    """`parked_slots`: an evicted session's cache is moved to the parking cache and back into
+    the slot its next turn gets, so that turn prefills only its new tokens and gives exactly the
+    tokens and logprobs it would have without the eviction. With the parking cache full, the
+    least recently parked goes on to the host swap and comes back from there."""
+    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                parked_slots=4) as engine:
+        traces = engine.stats().traces
+        assert traces["park_1"] == traces["park_3"] == 1  # compiled at warm-up
+        kept = _two_turns(engine, evict=False)
+        before = engine.stats()
+        parked = _two_turns(engine, evict=True)
+        after = engine.stats()
+        assert after.evictions > before.evictions and after.parked > before.parked
+        assert after.unparked == before.unparked + 1 and after.park_dropped == 0
+        assert after.swapped_out == 0 and engine.stats().traces == traces  # nothing compiled
+    assert parked.num_cached == kept.num_cached == 11 + 4
+    assert parked.tokens == kept.tokens and parked.logprobs == kept.logprobs
+    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                parked_slots=1, swap_space_gib=0.01) as engine:
+        traces = engine.stats().traces
+        overflowed = _two_turns(engine, evict=True)
+        stats = engine.stats()
+        assert stats.park_dropped >= 1 and stats.swapped_out >= 1 and stats.swapped_in == 1
+        assert engine.stats().traces == traces
+    assert overflowed.num_cached == 11 + 4
+    assert overflowed.tokens == kept.tokens and overflowed.logprobs == kept.logprobs
