@@ -38,7 +38,6 @@ class Parking:
     moves of the current admission pass not yet run."""
 
     def __init__(self, rows: int, counters: Counters) -> None:
-        self.rows = rows
         self.sessions: collections.OrderedDict[Session, int] = collections.OrderedDict()
         self.tokens: list[list[int]] = [[] for _ in range(rows)]  # valid in each row
         self.free = list(range(rows - 1, -1, -1))
