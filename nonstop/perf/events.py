@@ -25,8 +25,11 @@ from typing import Any
 
 FORMAT_VERSION = 1
 
-# (ph, name, role | None, t0_ns, t1_ns, value, tid, task_key, task_name, id, parent, tags)
-RawEvent = tuple[str, str, str | None, int, int, float, int, int, str | None, int, int, dict]
+# (ph, name, role | None, t0_ns, t1_ns, value, tid, task_key, task_name, id, parent, *tag_keys,
+# *tag_values): flat, so an event whose tags are atomic (numbers, strings) holds no container
+# and the garbage collector stops tracking it at its first collection. (A tags dict, even an
+# empty one, kept every buffered event tracked, and each full collection traversed the ring.)
+RawEvent = tuple[Any, ...]
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,7 +94,9 @@ class Event:
 
 def event_from_raw(raw: RawEvent, role: str, anchor_ns: int) -> Event:
     """The `Event` of a hot-path tuple; its absolute `perf_counter_ns` times become anchor-relative."""
-    ph, name, _, t0, t1, value, tid, task_key, task, span_id, parent, tags = raw
+    ph, name, _, t0, t1, value, tid, task_key, task, span_id, parent = raw[:11]
+    n = (len(raw) - 11) // 2
+    tags = dict(zip(raw[11:11 + n], raw[11 + n:], strict=True)) if n else {}
     return Event(
         ph,
         name,

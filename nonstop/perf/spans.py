@@ -119,10 +119,9 @@ class Span:
             task = _current_task(loop)
             if task is not None:
                 task_key, task_name = id(task), task.get_name()
-        rec.append(
-            ("X", self.name, self.role, self._t0, t1, 0.0, _thread_id(), task_key, task_name,
-             self._id, parent, tags)
-        )  # fmt: skip
+        raw = ("X", self.name, self.role, self._t0, t1, 0.0, _thread_id(), task_key, task_name,
+               self._id, parent)  # fmt: skip
+        rec.append(raw + (*tags, *tags.values()) if tags else raw)
         capture = STATE.capture
         if capture is not None:
             capture.on_exit(self.name, self.tags)
@@ -191,10 +190,9 @@ def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) 
     name = _busy_names.get(role)
     if name is None:
         name = _busy_names.setdefault(role, stages.device_busy_name(role))
-    rec.append(
-        ("X", name, role, start_ns, end_ns, 0.0, _thread_id(), _DEVICE_TRACK_KEY,
-         f"{role} device", next(_ids), _PARENT.get(), tags)
-    )  # fmt: skip
+    raw = ("X", name, role, start_ns, end_ns, 0.0, _thread_id(), _DEVICE_TRACK_KEY,
+           f"{role} device", next(_ids), _PARENT.get())  # fmt: skip
+    rec.append(raw + (*tags, *tags.values()) if tags else raw)
 
 
 def count(name: str, value: float = 1, /, *, role: str | None = None, **tags: Any) -> None:
@@ -204,10 +202,9 @@ def count(name: str, value: float = 1, /, *, role: str | None = None, **tags: An
         return
     t = _perf_ns()
     task_key, task_name = _task()
-    rec.append(
-        ("C", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0, _PARENT.get(),
-         tags)
-    )  # fmt: skip
+    raw = ("C", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0,
+           _PARENT.get())  # fmt: skip
+    rec.append(raw + (*tags, *tags.values()) if tags else raw)
 
 
 def gauge(name: str, value: float, /, *, role: str | None = None, **tags: Any) -> None:
@@ -217,10 +214,9 @@ def gauge(name: str, value: float, /, *, role: str | None = None, **tags: Any) -
         return
     t = _perf_ns()
     task_key, task_name = _task()
-    rec.append(
-        ("G", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0, _PARENT.get(),
-         tags)
-    )  # fmt: skip
+    raw = ("G", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0,
+           _PARENT.get())  # fmt: skip
+    rec.append(raw + (*tags, *tags.values()) if tags else raw)
 
 
 def current_span_id() -> int:

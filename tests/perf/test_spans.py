@@ -6,6 +6,7 @@ late by up to 40 ms.
 """
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -190,6 +191,25 @@ def test_ring_is_bounded_and_counts_drops(fresh):
     assert len(rec.drain()) == 16 and rec.events() == []
     perf.count("c")
     assert rec.dropped == 84  # draining made room again
+
+
+def test_buffered_events_drop_out_of_the_garbage_collectors_sight(fresh):
+    """Events with atomic tags (all the hot paths record) stop being tracked after one
+    collection, so a full ring costs nothing to every later full collection; their tags read
+    back as dicts."""
+    rec = fresh()
+    with perf.span("rollout/decode", active=3, stage="x"):
+        pass
+    with perf.span("rollout/decode"):
+        pass
+    perf.count("engine/tokens", 5)
+    perf.gauge("engine/queue_depth", 2, slot=1)
+    perf.device_busy_interval(perf.ENGINE, 10, 20, calls=1)
+    gc.collect()
+    raws = list(rec._ring)
+    assert len(raws) == 5 and not any(gc.is_tracked(r) for r in raws)
+    assert [e.tags for e in rec.events()] == [
+        {"active": 3, "stage": "x"}, {}, {}, {"slot": 1}, {"calls": 1}]
 
 
 def test_config_validation_names_the_field():
