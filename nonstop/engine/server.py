@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import hmac
 import itertools
 import json
@@ -459,7 +458,7 @@ def serve(config: ServerConfig) -> None:
     import jax.numpy as jnp
     import uvicorn
 
-    from nonstop.engine.engine import Engine
+    from nonstop.engine.engine import Engine, gc_heap_frozen
     from nonstop.models import load_pretrained
 
     model_dir = Path(config.model_dir)
@@ -468,14 +467,13 @@ def serve(config: ServerConfig) -> None:
     max_len = min(config.max_len, model.cfg.max_position_embeddings)
     engine = Engine(model, max_slots=config.max_slots, max_len=max_len, tokenizer=tokenizer)
     engine.start()  # compiles before the port opens, so /health answering means ready
-    gc.collect()  # this process is the server's: full collections skip the model and JAX from
-    gc.freeze()  # now on (see nonstop.engine.gc_heap_frozen)
     serving = OpenAIServing(engine.generate, tokenizer,
                             model_name=config.model_name or model_dir.resolve().name,
                             vocab_size=model.cfg.vocab_size, max_len=max_len,
                             api_key=config.api_key)
     try:
-        uvicorn.run(build_app(serving), host=config.host, port=config.port,
-                    log_level=config.log_level)
+        with gc_heap_frozen():  # collections skip the model and JAX, and pause threads less
+            uvicorn.run(build_app(serving), host=config.host, port=config.port,
+                        log_level=config.log_level)
     finally:
         engine.close()
