@@ -440,18 +440,18 @@ def test_swap_round_trip_and_budget(model):
 
 def test_park_moves_rows_out_and_back_in_one_call(model):
     """`DeviceSteps.park`: a slot gives its row to the parking cache and takes a parked one back
-    in the same call; padding moves write nothing."""
+    in the same call; rows named in no move are left alone; any move count up to the slot
+    count runs in the one compilation; more is refused before anything moves."""
     from nonstop.engine.device import DeviceSteps
 
     device = DeviceSteps(model, num_slots=SLOTS, max_len=MAX_LEN, parked_slots=4)
-    assert device.park_row_counts() == (1, SLOTS)
     cfg = model.cfg
     rng = np.random.default_rng(1)
     shape = (2, cfg.num_layers, cfg.num_kv_heads, MAX_LEN, cfg.head_dim)
     x, y = (rng.normal(size=shape).astype(np.float32) for _ in range(2))
     cache = device.write_slot(device.new_cache(), 1, x)
     pool = device.write_slot(device.new_pool(), 2, y)
-    cache, pool = device.park(cache, pool, [(1, 0)], [(2, 1)])  # padded to 1 move: none
+    cache, pool = device.park(cache, pool, [(1, 0)], [(2, 1)])
     np.testing.assert_array_equal(device.read_slot(pool, 0, MAX_LEN), x)
     np.testing.assert_array_equal(device.read_slot(cache, 1, MAX_LEN), y)
     np.testing.assert_array_equal(device.read_slot(pool, 2, MAX_LEN), y)  # a copy: kept
@@ -459,10 +459,16 @@ def test_park_moves_rows_out_and_back_in_one_call(model):
         assert not device.read_slot(cache, s, MAX_LEN).any()
     assert not device.read_slot(pool, 1, MAX_LEN).any() and not device.read_slot(
         pool, 3, MAX_LEN).any()
-    cache, pool = device.park(cache, pool, [(1, 3), (0, 1)], [(0, 2)])  # 2 moves: padded to 3
+    cache, pool = device.park(cache, pool, [(1, 3), (0, 1)], [(0, 2)])  # 2 out, 1 back
     np.testing.assert_array_equal(device.read_slot(pool, 3, MAX_LEN), y)
     np.testing.assert_array_equal(device.read_slot(cache, 2, MAX_LEN), x)
-    assert device.traces["park_1"] == 1 and device.traces["park_3"] == 1
+    assert not device.read_slot(pool, 1, MAX_LEN).any()  # slot 0 was empty
+    cache, pool = device.park(cache, pool, [], [(3, s) for s in range(SLOTS)])  # all back
+    for s in range(SLOTS):
+        np.testing.assert_array_equal(device.read_slot(cache, s, MAX_LEN), y)
+    with pytest.raises(ValueError, match="at most num_slots"):
+        device.park(cache, pool, [(0, 0)] * (SLOTS + 1), [])
+    assert device.traces["park"] == 1
 
 
 def test_parking_rows_moved_back_are_reused_only_after_their_call():
@@ -495,7 +501,7 @@ def test_a_parked_session_cache_is_bit_exact_and_a_full_parking_cache_overflows_
     with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
                 parked_slots=4) as engine:
         traces = engine.stats().traces
-        assert traces["park_1"] == traces["park_3"] == 1  # compiled at warm-up
+        assert traces["park"] == 1  # compiled at warm-up
         kept = _two_turns(engine, evict=False)
         before = engine.stats()
         parked = _two_turns(engine, evict=True)
