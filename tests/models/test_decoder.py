@@ -116,8 +116,10 @@ def test_packed_row_equals_sequences_alone(family_models):
     for s in seqs:
         n = s.shape[1]
         alone, _ = ours(jnp.asarray(s))
+        # float32 rounding only (the packed row's matmuls run over 14 positions, these over
+        # n); a segment attending to another would change its logits far beyond this.
         np.testing.assert_allclose(np.asarray(packed[0, start:start + n]), np.asarray(alone[0]),
-                                   atol=ATOL_CACHE)
+                                   atol=ATOL_CACHE, rtol=1e-5)
         start += n
 
 
