@@ -69,6 +69,15 @@ def _sample_into(logits: Array, sampling: SamplingArrays, first: Array, targets:
     return out, first.at[targets].set(out.tokens, mode="drop")
 
 
+def _copy_rows(src: Array, dst: Array, n: Array, rows_from: Array, rows_to: Array) -> Array:
+    """`dst` with row `rows_to[i]` set to `src[rows_from[i]]` for each i < n, one at a time."""
+    def copy(i: Array, dst: Array) -> Array:
+        return lax.dynamic_update_index_in_dim(
+            dst, lax.dynamic_index_in_dim(src, rows_from[i], 0, False), rows_to[i], 0)
+
+    return lax.fori_loop(0, n, copy, dst)
+
+
 class DeviceSteps:
     """The jitted prefill and decode of one model, with a trace counter per function."""
 
@@ -197,17 +206,8 @@ class DeviceSteps:
             # parking cache each call: measured 3 ms against 34 us for 1024 rows). A slot can
             # give its row and take another back in one call; the rows filled and the rows
             # moved back must differ.
-            def out(i: Array, p: Array) -> Array:
-                return lax.dynamic_update_index_in_dim(
-                    p, lax.dynamic_index_in_dim(c, out_slots[i], 0, False), out_rows[i], 0)
-
-            p = lax.fori_loop(0, counts[0], out, p)
-
-            def back(i: Array, c: Array) -> Array:
-                return lax.dynamic_update_index_in_dim(
-                    c, lax.dynamic_index_in_dim(p, in_rows[i], 0, False), in_slots[i], 0)
-
-            return lax.fori_loop(0, counts[1], back, c), p
+            p = _copy_rows(c, p, counts[0], out_slots, out_rows)
+            return _copy_rows(p, c, counts[1], in_rows, in_slots), p
 
         keys = [move(c, p) for c, p in zip(cache.keys, pool.keys, strict=True)]
         values = [move(c, p) for c, p in zip(cache.values, pool.values, strict=True)]

@@ -106,7 +106,9 @@ class Recorder:
         self._ring: collections.deque[RawEvent] = collections.deque(maxlen=config.capacity)
         self._lock = threading.Lock()
 
-    def append(self, raw: RawEvent) -> None:
+    def append(self, head: RawEvent, tags: dict[str, Any]) -> None:
+        """Buffer one event: its 11 fixed fields, then its tags flattened (`RawEvent`)."""
+        raw = head + (*tags, *tags.values()) if tags else head
         with self._lock:
             if len(self._ring) == self._capacity:
                 self.dropped += 1

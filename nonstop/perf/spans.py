@@ -121,7 +121,7 @@ class Span:
                 task_key, task_name = id(task), task.get_name()
         raw = ("X", self.name, self.role, self._t0, t1, 0.0, _thread_id(), task_key, task_name,
                self._id, parent)  # fmt: skip
-        rec.append(raw + (*tags, *tags.values()) if tags else raw)
+        rec.append(raw, tags)
         capture = STATE.capture
         if capture is not None:
             capture.on_exit(self.name, self.tags)
@@ -192,7 +192,7 @@ def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) 
         name = _busy_names.setdefault(role, stages.device_busy_name(role))
     raw = ("X", name, role, start_ns, end_ns, 0.0, _thread_id(), _DEVICE_TRACK_KEY,
            f"{role} device", next(_ids), _PARENT.get())  # fmt: skip
-    rec.append(raw + (*tags, *tags.values()) if tags else raw)
+    rec.append(raw, tags)
 
 
 def count(name: str, value: float = 1, /, *, role: str | None = None, **tags: Any) -> None:
@@ -204,7 +204,7 @@ def count(name: str, value: float = 1, /, *, role: str | None = None, **tags: An
     task_key, task_name = _task()
     raw = ("C", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0,
            _PARENT.get())  # fmt: skip
-    rec.append(raw + (*tags, *tags.values()) if tags else raw)
+    rec.append(raw, tags)
 
 
 def gauge(name: str, value: float, /, *, role: str | None = None, **tags: Any) -> None:
@@ -216,7 +216,7 @@ def gauge(name: str, value: float, /, *, role: str | None = None, **tags: Any) -
     task_key, task_name = _task()
     raw = ("G", name, role, t, t, float(value), _thread_id(), task_key, task_name, 0,
            _PARENT.get())  # fmt: skip
-    rec.append(raw + (*tags, *tags.values()) if tags else raw)
+    rec.append(raw, tags)
 
 
 def current_span_id() -> int:
