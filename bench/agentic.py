@@ -207,6 +207,9 @@ def main() -> None:
                         help="EngineConfig.prefill_rows (turns starting together share a call)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="EngineConfig.decode_steps_per_call (decode steps per device call)")
+    parser.add_argument("--pipeline-depth", type=int, default=3,
+                        help="EngineConfig.pipeline_depth (decode calls in flight; 3: the device "
+                             "runs two calls ahead of the host's bookkeeping)")
     parser.add_argument("--swap-gib", type=float, default=0.0,
                         help="EngineConfig.swap_space_gib (evicted sessions' caches kept on the "
                              "host; 0: off, their next turn prefills its whole context)")
@@ -235,6 +238,7 @@ def main() -> None:
                     prefill_chunks=(16, 64), decode_buckets=4,
                     prefill_rows=args.prefill_rows,
                     decode_steps_per_call=args.decode_steps,
+                    pipeline_depth=args.pipeline_depth,
                     swap_space_gib=args.swap_gib, parked_slots=parked).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
@@ -249,9 +253,11 @@ def main() -> None:
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
           f"prefill_rows={args.prefill_rows} decode_steps_per_call={args.decode_steps} "
+          f"pipeline_depth={args.pipeline_depth} "
           f"swap_space_gib={args.swap_gib} parked_slots={parked} sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     settings = {"prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
+                "pipeline_depth": args.pipeline_depth,
                 "swap_space_gib": args.swap_gib, "parked_slots": parked}
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "

@@ -52,6 +52,15 @@ class EngineConfig:
     streams; logprobs within float summation order). The costs: a request that stops inside a
     call still occupies its slot for the rest of it (at most K - 1 steps computed and dropped),
     and a waiting request is admitted only between calls. 1 (the default): one step per call.
+    pipeline_depth: decode calls in flight at once: the host reads back call N (hands out its
+    tokens, checks stops, wakes callers) after launching call N + depth - 1, so the device
+    runs ahead of the host's bookkeeping by depth - 1 calls. 2 (the default): the device
+    computes step N + 1 while the host handles step N. 3 absorbs hiccups in the host's
+    per-step work (a garbage collection, the event loop holding the GIL) at the cost of one
+    more step computed and dropped, and one more step held, for each request that stops on
+    a token (one that ends at `max_tokens` or the end of the cache leaves the batch right
+    after its last step at any depth); on the agentic benchmark (2-core CPU, 64 slots, 1000
+    ms tools) the device went from 0.87-0.88 to 0.89-0.93 busy. 1: launch and wait.
     cache_dtype: the KV cache's dtype; None: the model's compute dtype.
     swap_space_gib: host memory for the KV caches of evicted sessions. When a slot is needed
     and the least recently used idle session gives up its slot, its keys and values are
@@ -85,6 +94,7 @@ class EngineConfig:
     prefill_rows: int = 1
     decode_buckets: int = 1
     decode_steps_per_call: int = 1
+    pipeline_depth: int = 2
     cache_dtype: CacheDtype | None = None
     swap_space_gib: float = 0.0
     parked_slots: int = 0
@@ -93,7 +103,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets",
-                     "decode_steps_per_call"):
+                     "decode_steps_per_call", "pipeline_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineConfigError(f"EngineConfig.{name}: got {value!r}; valid: an int >= 1")

@@ -6,11 +6,14 @@ requests into free (or evicted) slots in arrival order, (3) launches prefill chu
 come, first served, up to `prefill_budget` tokens while others decode) and (4) launches one
 decode step over all slots, then handles the tokens of the calls launched before it (the
 previous step's, and the first tokens of the prompts prefilled since) while the device computes
-this one. No call waits for another to be read back: the step after a token is fed that token
-straight from the device, and a slot fresh from prefill its first token, which the prefill
-wrote into a device array (`first`). So the host's bookkeeping (stop checks, emitting, waking
-callers, preparing the next prefill) never leaves the device idle. A request that stops at step
-N has already been given step N + 1; that token is dropped. With
+this one (with `EngineConfig.pipeline_depth` d, the calls before the last d - 1 decode steps).
+No call waits for another to be read back: the step after a token is fed that token straight
+from the device, and a slot fresh from prefill its first token, which the prefill wrote into a
+device array (`first`). So the host's bookkeeping (stop checks, emitting, waking callers,
+preparing the next prefill) never leaves the device idle. A request that stops on a token at
+step N has already been given the d - 1 steps launched after it; their tokens are dropped. One
+whose step N samples its last possible token (`max_tokens`, the cache's end) is left out of
+the steps after it, though it keeps its slot until step N is read back. With
 `EngineConfig.decode_steps_per_call` K > 1 a "step" here is one device call of K steps, and the
 host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
 copied to the device with each step.
@@ -60,6 +63,7 @@ from nonstop.engine.types import EngineError, FinishReason, RequestError
 _log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
+L_NO_LIMIT = np.iinfo(np.int64).max  # `token_limit` of a request without max_tokens
 
 
 class Scheduler(threading.Thread):
@@ -90,6 +94,9 @@ class Scheduler(threading.Thread):
         self.decoding = np.zeros(S, bool)
         self.fresh = np.zeros(S, bool)  # next input token is its prefill's, from `first`
         self.launched: LaunchedStep | None = None  # the last decode step launched
+        # The last `pipeline_depth - 1` decode steps launched: left in flight, unread.
+        self.ahead: collections.deque[LaunchedStep] = collections.deque(
+            maxlen=config.pipeline_depth - 1)
         # Every call launched and not yet read back (decode steps and prefills), in launch
         # order, which is the order the device runs them in.
         self.inflight: collections.deque[LaunchedStep] = collections.deque()
@@ -100,7 +107,8 @@ class Scheduler(threading.Thread):
         self.top_k = np.zeros(S, np.int32)
         self.top_p = np.ones(S, np.float32)
         self.seeds = np.zeros(S, np.uint32)
-        self.steps = np.zeros(S, np.int32)
+        self.steps = np.zeros(S, np.int32)  # tokens sampled (or launched) for the request
+        self.token_limit = np.zeros(S, np.int64)  # the request's max_tokens (or no limit)
         self.evicted = EvictedCaches(device, config, self.counters)
 
     # ---------------------------------------------------------------- from other threads
@@ -301,6 +309,7 @@ class Scheduler(threading.Thread):
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = (
             req.temperature, req.top_k, req.top_p)
         self.seeds[slot], self.steps[slot] = req.seed, 0
+        self.token_limit[slot] = req.max_tokens if req.max_tokens is not None else L_NO_LIMIT
         self.positions[slot] = self.L
         self.prefilling.append(slot)
 
@@ -391,7 +400,8 @@ class Scheduler(threading.Thread):
             self.prefilling.remove(slot)
             self.steps[slot] = 1
             self.positions[slot] = len(req.prompt)
-            self.decoding[slot] = self.fresh[slot] = True
+            self.fresh[slot] = True
+            self.decoding[slot] = not self._sampled_last(slot)
             firsts.append((r, req, req.epoch))
         self.inflight.append(LaunchedStep(out=out, rows=tuple(firsts), version=self.version,
                                           launched_ns=launched_ns, prefill=True))
@@ -412,7 +422,11 @@ class Scheduler(threading.Thread):
                 except Exception as error:  # noqa: BLE001 - the device step failed
                     self._device_failure(error)
                     return
-            while self.inflight and self.inflight[0] is not self.launched:
+                self.ahead.append(self.launched)
+            else:
+                self.ahead.clear()  # nothing new runs: hand out everything launched
+            oldest_kept = self.ahead[0] if self.ahead else None
+            while self.inflight and self.inflight[0] is not oldest_kept:
                 self._read_back(self.inflight.popleft())
             self._note_running()
 
@@ -445,10 +459,21 @@ class Scheduler(threading.Thread):
         self.fresh[active] = False
         self.positions[active] += K
         self.steps[active] += K
+        # A request this call takes to its max_tokens or the end of the cache leaves the
+        # batch now: no later step is computed for it only to be dropped. (It keeps its slot
+        # until the call is read back and it finishes.)
+        self.decoding[active] = ~self._sampled_last(active)
         rows = tuple((int(s), self.slot_req[s], self.slot_req[s].epoch) for s in active)
         step = LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
         self.inflight.append(step)
         return step
+
+    def _sampled_last(self, slots: Any) -> Any:
+        """Whether the steps launched for `slots` already sample their requests' last
+        possible token (`max_tokens`, or the cache's last position): `Request.finish_reason`
+        ends the request there at the latest."""
+        return (self.steps[slots] >= self.token_limit[slots]) | (
+            self.positions[slots] + 1 >= self.L)
 
     def _read_back(self, step: LaunchedStep) -> None:
         was_running = not step.out.tokens.is_ready()
@@ -579,6 +604,7 @@ class Scheduler(threading.Thread):
         self._requeue_returning()
         self.evicted.reset()
         self.launched = None
+        self.ahead.clear()
         self.inflight.clear()
         self.first = self.device.new_first()
         self.cache = self.device.new_cache()  # the old one may have been donated

@@ -259,6 +259,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                     decode_buckets=cfg.engine.decode_buckets,
                     prefill_rows=cfg.engine.prefill_rows,
                     decode_steps_per_call=cfg.engine.decode_steps_per_call,
+                    pipeline_depth=cfg.engine.pipeline_depth,
                     swap_space_gib=cfg.engine.swap_space_gib,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))

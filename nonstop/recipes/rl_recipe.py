@@ -75,7 +75,8 @@ class EngineSettings:
     """The rollout engine's size; `decode_buckets` > 1 and `prefill_rows` > 1 trade bit-exact
     reproducibility for faster decode of short sequences and fewer prefill calls when many
     turns start at once; `decode_steps_per_call` > 1 runs several decode steps per device call
-    (less host work a token, some steps computed past a request's end); `swap_space_gib`:
+    (less host work a token, some steps computed past a request's end); `pipeline_depth` 3
+    lets the device run two steps ahead of the host's bookkeeping; `swap_space_gib`:
     host memory for evicted sessions' KV caches (0: an evicted episode re-prefills its
     context). See `EngineConfig`."""
 
@@ -84,6 +85,7 @@ class EngineSettings:
     decode_buckets: int = 1
     prefill_rows: int = 1
     decode_steps_per_call: int = 1
+    pipeline_depth: int = 2
     swap_space_gib: float = 0.0
 
 
@@ -298,6 +300,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                     max_len=cfg.engine.max_len, decode_buckets=cfg.engine.decode_buckets,
                     prefill_rows=cfg.engine.prefill_rows,
                     decode_steps_per_call=cfg.engine.decode_steps_per_call,
+                    pipeline_depth=cfg.engine.pipeline_depth,
                     swap_space_gib=cfg.engine.swap_space_gib,
                     tokenizer=tokenizer,
                     policy_version=start_step, mesh=engine_mesh) as engine:

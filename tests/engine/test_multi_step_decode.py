@@ -1,8 +1,9 @@
-"""Several decode steps per device call (`EngineConfig.decode_steps_per_call`): an engine running
-K steps a call gives the tokens, finish reasons and log-probabilities of one running a step a
-call, through stop tokens, `max_tokens`, a full cache and a session's second turn; what a call
-computes past a request's end is counted as dropped, by hand; and nothing compiles after
-warm-up."""
+"""Several decode steps per device call (`EngineConfig.decode_steps_per_call`) and several
+calls in flight (`EngineConfig.pipeline_depth`): an engine running K steps a call, or running
+further ahead of the host, gives the tokens, finish reasons and log-probabilities of one
+running a step a call two deep, through stop tokens, `max_tokens`, a full cache and a session's
+second turn; what a call computes past a request's end is counted as dropped, by hand; and
+nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def _requests():
     return out
 
 
-def _run(model, k):
+def _run(model, k, depth=2):
     with Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                decode_buckets=2, decode_steps_per_call=k) as engine:
+                decode_buckets=2, decode_steps_per_call=k, pipeline_depth=depth) as engine:
         traces = engine.stats().traces
 
         async def episode(seed):
@@ -91,30 +92,69 @@ def test_k_steps_per_call_give_the_tokens_of_one_step_per_call(model):
         "decode_3x32", "decode_3x64"]
 
 
-@pytest.mark.parametrize(("k", "max_tokens", "calls", "dropped"),
-                         [(1, 5, 5, 1), (4, 5, 2, 4), (3, 5, 3, 5), (1, 1, 1, 1), (4, 1, 1, 4)])
-def test_a_lone_request_costs_the_calls_and_drops_counted_by_hand(model, k, max_tokens, calls,
-                                                                  dropped):
-    # max_tokens 5: prefill samples token 1, decode calls sample the other 4. The call after
-    # the one that samples token 5 was launched before that token was read: all of it is
-    # dropped. K = 1: 4 steps + 1 dropped. K = 4: tokens 2-5 in one call, the next call's 4
-    # dropped. K = 3: tokens 2-4, then 5 (2 of that call dropped), then 3 dropped.
-    # max_tokens 1: the first decode call is launched (fed the prefill's token on the device)
-    # before the prefill is read back and the request found finished: all of it is dropped.
+@pytest.mark.parametrize("depth", [1, 3])
+def test_pipeline_depth_gives_the_tokens_of_two_deep(model, depth):
+    two, two_stats = _run(model, 1)
+    other, stats = _run(model, 1, depth)
+    assert {"stop", "length", "cache_full"} <= {c.finish_reason for c in two}
+    for a, b in zip(two, other, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        assert a.policy_versions == b.policy_versions
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert stats.generated_tokens == two_stats.generated_tokens
+    # Past a stop, depth 1 computes only the step launched with the prompt's last chunk (when
+    # the prefill's own token stops); depth 3 computes a step more than 2 does.
+    assert (stats.dropped_tokens < two_stats.dropped_tokens) if depth == 1 else (
+        stats.dropped_tokens > two_stats.dropped_tokens)
+
+
+def _lone_request(model, k, depth, params):
     with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
-                decode_steps_per_call=k) as engine:
-        out = engine.generate_sync(random_prompt(4, seed=1), SamplingParams(temperature=0.0,
-                                                                      max_tokens=max_tokens))
-        # The last call is read back (and its tokens dropped) just after the request resolves.
+                decode_steps_per_call=k, pipeline_depth=depth) as engine:
+        out = engine.generate_sync(random_prompt(4, seed=1), params)
+        # Every call is launched before the request resolves; the last ones are read back
+        # (their tokens dropped) just after: wait until each token computed is accounted for.
         deadline = time.monotonic() + 10
-        while engine.stats().dropped_tokens < dropped and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            stats = engine.stats()
+            if stats.generated_tokens - 1 + stats.dropped_tokens >= stats.decode_steps:
+                break
             time.sleep(0.01)
-        time.sleep(0.05)
-        stats = engine.stats()
+        return out, stats
+
+
+@pytest.mark.parametrize(("k", "depth", "max_tokens", "calls"),
+                         [(1, 2, 5, 4), (1, 3, 5, 4), (4, 2, 5, 1), (4, 3, 5, 1), (3, 2, 5, 2),
+                          (1, 2, 1, 0), (4, 3, 1, 0)])
+def test_a_lone_request_to_max_tokens_costs_the_calls_counted_by_hand(model, k, depth,
+                                                                      max_tokens, calls):
+    # max_tokens 5: prefill samples token 1, decode calls sample the other 4, and the call
+    # sampling token 5 is the last one the request is in, at any depth. K = 1: 4 calls. K = 4:
+    # tokens 2-5 in one call. K = 3: tokens 2-4, then 5-7 of which 6 and 7 are dropped.
+    # max_tokens 1: the prefill samples the only token; no decode call at all.
+    out, stats = _lone_request(model, k, depth, SamplingParams(temperature=0.0,
+                                                               max_tokens=max_tokens))
     assert len(out.tokens) == max_tokens and out.finish_reason == "length"
     assert (stats.decode_calls, stats.decode_steps) == (calls, calls * k)
-    assert stats.dropped_tokens == dropped
+    assert stats.dropped_tokens == calls * k + 1 - max_tokens
     assert stats.generated_tokens == max_tokens
+
+
+@pytest.mark.parametrize(("k", "depth"), [(1, 1), (1, 2), (1, 3), (3, 2), (3, 3)])
+def test_a_lone_request_to_a_stop_token_costs_the_calls_counted_by_hand(model, k, depth):
+    free, _ = _lone_request(model, 1, 2, SamplingParams(temperature=0.0, max_tokens=12))
+    # Stop at the first token (after the prefill's) not seen before it: token t + 1 of the
+    # request, sampled by step t, in call ceil(t / K). The host learns of the stop when that
+    # call is read back, after launching the depth - 1 calls after it, all dropped; so are the
+    # steps of its own call after the stop.
+    t = next(i for i in range(1, 12) if free.tokens[i] not in free.tokens[:i])
+    out, stats = _lone_request(model, k, depth, SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=(free.tokens[t],)))
+    assert out.tokens == free.tokens[:t + 1] and out.finish_reason == "stop"
+    stop_call = -(-t // k)
+    assert stats.decode_calls == stop_call + depth - 1
+    assert stats.dropped_tokens == stats.decode_calls * k - t
+    assert stats.generated_tokens == t + 1
 
 
 def test_decode_steps_per_call_is_validated():
@@ -122,3 +162,7 @@ def test_decode_steps_per_call_is_validated():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(EngineConfigError, match="decode_steps_per_call: got"):
             EngineConfig(decode_steps_per_call=bad)
+    assert EngineConfig(pipeline_depth=3).pipeline_depth == 3
+    for bad in (0, 2.5, False):
+        with pytest.raises(EngineConfigError, match="pipeline_depth: got"):
+            EngineConfig(pipeline_depth=bad)
