@@ -60,7 +60,8 @@ class EngineConfig:
     more step computed and dropped, and one more step held, for each request that stops on
     a token (one that ends at `max_tokens` or the end of the cache leaves the batch right
     after its last step at any depth); on the agentic benchmark (2-core CPU, 64 slots, 1000
-    ms tools) the device went from 0.87-0.88 to 0.89-0.93 busy. 1: launch and wait.
+    ms tools) the device went from 0.90 to 0.95 busy, and episodes/s rose 1% (see
+    docs/engine.md). 1: launch and wait.
     cache_dtype: the KV cache's dtype; None: the model's compute dtype.
     swap_space_gib: host memory for the KV caches of evicted sessions. When a slot is needed
     and the least recently used idle session gives up its slot, its keys and values are

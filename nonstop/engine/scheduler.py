@@ -63,7 +63,7 @@ from nonstop.engine.types import EngineError, FinishReason, RequestError
 _log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = "engine/prefill_tokens"  # counter: prompt tokens run through prefill
-L_NO_LIMIT = np.iinfo(np.int64).max  # `token_limit` of a request without max_tokens
+NO_TOKEN_LIMIT = np.iinfo(np.int64).max  # `token_limit` of a request without max_tokens
 
 
 class Scheduler(threading.Thread):
@@ -309,7 +309,7 @@ class Scheduler(threading.Thread):
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = (
             req.temperature, req.top_k, req.top_p)
         self.seeds[slot], self.steps[slot] = req.seed, 0
-        self.token_limit[slot] = req.max_tokens if req.max_tokens is not None else L_NO_LIMIT
+        self.token_limit[slot] = req.max_tokens if req.max_tokens is not None else NO_TOKEN_LIMIT
         self.positions[slot] = self.L
         self.prefilling.append(slot)
 
