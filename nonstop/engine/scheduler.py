@@ -49,6 +49,7 @@ from nonstop import perf
 from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps, SamplingArrays
 from nonstop.engine.images import image_chunk, image_safe_length
+from nonstop.engine.inflight import InFlight
 from nonstop.engine.requests import (
     Counters,
     Detokenizer,
@@ -94,14 +95,8 @@ class Scheduler(threading.Thread):
         self.decoding = np.zeros(S, bool)
         self.fresh = np.zeros(S, bool)  # next input token is its prefill's, from `first`
         self.launched: LaunchedStep | None = None  # the last decode step launched
-        # The last `pipeline_depth - 1` decode steps launched: left in flight, unread.
-        self.ahead: collections.deque[LaunchedStep] = collections.deque(
-            maxlen=config.pipeline_depth - 1)
-        # Every call launched and not yet read back (decode steps and prefills), in launch
-        # order, which is the order the device runs them in.
-        self.inflight: collections.deque[LaunchedStep] = collections.deque()
+        self.inflight = InFlight(config.pipeline_depth)
         self.first = device.new_first()  # device int32[S]: fresh slots' first tokens
-        self._device_free_ns = 0  # when the last call read back was known to be done
         self.positions = np.full(S, L, np.int32)
         self.temperature = np.zeros(S, np.float32)
         self.top_k = np.zeros(S, np.int32)
@@ -354,8 +349,7 @@ class Scheduler(threading.Thread):
         S = self.S
         finishing = [req.prefill_pos + n == len(req.prompt) for _, req, n in rows]
         slot, req, n = rows[0]
-        self._note_running()
-        launched_ns = time.perf_counter_ns()
+        launched_ns = self.inflight.launch_time()
         if req.image_features is not None:
             C, start = self.config.padded_size(n), req.prefill_pos
             image_id = self.device.image_token_id
@@ -403,16 +397,16 @@ class Scheduler(threading.Thread):
             self.fresh[slot] = True
             self.decoding[slot] = not self._sampled_last(slot)
             firsts.append((r, req, req.epoch))
-        self.inflight.append(LaunchedStep(out=out, rows=tuple(firsts), version=self.version,
-                                          launched_ns=launched_ns, prefill=True))
+        self.inflight.add(LaunchedStep(out=out, rows=tuple(firsts), version=self.version,
+                                       launched_ns=launched_ns, prefill=True), decode=False)
         self.counters.prefill_chunks += len(rows)
         self.counters.prefill_calls += 1
         return len(rows) * C
 
     def _decode_step(self) -> None:
         """Launch a decode step over the decoding slots (if any), then read back and hand out
-        the tokens of the calls launched before it (the last decode step and the prefills
-        since), in the order the device ran them."""
+        the tokens of the calls launched before the decode steps left running (`InFlight`),
+        in the order the device ran them."""
         previous, self.launched = self.launched, None
         active = np.flatnonzero(self.decoding)
         with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
@@ -422,21 +416,9 @@ class Scheduler(threading.Thread):
                 except Exception as error:  # noqa: BLE001 - the device step failed
                     self._device_failure(error)
                     return
-                self.ahead.append(self.launched)
-            else:
-                self.ahead.clear()  # nothing new runs: hand out everything launched
-            oldest_kept = self.ahead[0] if self.ahead else None
-            while self.inflight and self.inflight[0] is not oldest_kept:
-                self._read_back(self.inflight.popleft())
-            self._note_running()
-
-    def _note_running(self) -> None:
-        """Before launching anything (and after reading back): if the last call launched is
-        still running, note when it was seen so, for the busy accounting in `_read_back`."""
-        if self.inflight:
-            last = self.inflight[-1]
-            if not last.out.tokens.is_ready():
-                last.seen_running_ns = time.perf_counter_ns()
+            for step in self.inflight.due(launched_decode=self.launched is not None):
+                self._read_back(step)
+            self.inflight.note_running()
 
     def _launch(self, active: np.ndarray, previous: LaunchedStep | None) -> LaunchedStep:
         K = self.config.decode_steps_per_call
@@ -448,8 +430,7 @@ class Scheduler(threading.Thread):
         # stay on the device, the host reads neither first. (With no previous step every
         # active slot is fresh.) Copies: the host arrays change while the device may still be
         # reading its inputs.
-        self._note_running()
-        launched_ns = time.perf_counter_ns()
+        launched_ns = self.inflight.launch_time()
         self.cache, out = self.device.decode(
             self.state, self.cache, self.first, self.positions.copy(),
             SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
@@ -465,7 +446,7 @@ class Scheduler(threading.Thread):
         self.decoding[active] = ~self._sampled_last(active)
         rows = tuple((int(s), self.slot_req[s], self.slot_req[s].epoch) for s in active)
         step = LaunchedStep(out=out, rows=rows, version=self.version, launched_ns=launched_ns)
-        self.inflight.append(step)
+        self.inflight.add(step, decode=True)
         return step
 
     def _sampled_last(self, slots: Any) -> Any:
@@ -482,16 +463,7 @@ class Scheduler(threading.Thread):
         except Exception as error:  # noqa: BLE001
             self._device_failure(error)
             return
-        # The device's busy interval for this call, counted conservatively: from when it could
-        # start (launched, and the call before it done) to when it was seen to finish; if it
-        # had finished before the host looked, only up to when the host last saw it running.
-        if was_running:
-            done_ns = time.perf_counter_ns()
-        else:
-            done_ns = step.seen_running_ns if step.seen_running_ns is not None else 0
-        start_ns = max(step.launched_ns, self._device_free_ns)
-        perf.device_busy_interval(perf.ENGINE, start_ns, done_ns)
-        self._device_free_ns = max(done_ns, start_ns)
+        self.inflight.record_busy(step, was_running=was_running)
         if step.prefill:
             self._emit_first_tokens(step, out)
             return
@@ -604,7 +576,6 @@ class Scheduler(threading.Thread):
         self._requeue_returning()
         self.evicted.reset()
         self.launched = None
-        self.ahead.clear()
         self.inflight.clear()
         self.first = self.device.new_first()
         self.cache = self.device.new_cache()  # the old one may have been donated
