@@ -255,12 +255,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
         # Several processes: each host's engine holds a local copy of the initial model (the
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len,
-                    decode_buckets=cfg.engine.decode_buckets,
-                    prefill_rows=cfg.engine.prefill_rows,
-                    decode_steps_per_call=cfg.engine.decode_steps_per_call,
-                    pipeline_depth=cfg.engine.pipeline_depth,
-                    swap_space_gib=cfg.engine.swap_space_gib,
+        with Engine(engine_model, **cfg.engine.engine_kwargs(),
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
             learner = learner_cls(trainer, engine,

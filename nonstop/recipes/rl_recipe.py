@@ -88,6 +88,10 @@ class EngineSettings:
     pipeline_depth: int = 2
     swap_space_gib: float = 0.0
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """These settings as `Engine` keywords (each is an `EngineConfig` field)."""
+        return dataclasses.asdict(self)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLRunConfig:
@@ -296,13 +300,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
         # Several processes: each host's engine holds a local copy (the trainer's arrays span
         # every host); it starts from the initial model and takes the trainer's weights.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, max_slots=cfg.engine.max_slots,
-                    max_len=cfg.engine.max_len, decode_buckets=cfg.engine.decode_buckets,
-                    prefill_rows=cfg.engine.prefill_rows,
-                    decode_steps_per_call=cfg.engine.decode_steps_per_call,
-                    pipeline_depth=cfg.engine.pipeline_depth,
-                    swap_space_gib=cfg.engine.swap_space_gib,
-                    tokenizer=tokenizer,
+        with Engine(engine_model, **cfg.engine.engine_kwargs(), tokenizer=tokenizer,
                     policy_version=start_step, mesh=engine_mesh) as engine:
             if processes > 1 and start_step:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)
