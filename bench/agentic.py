@@ -1,4 +1,4 @@
-"""Tool-latency hiding benchmark (BENCHMARKS.md §1): the RolloutOrchestrator against a batch-
+"""Tool-latency hiding benchmark (docs/benchmarks.md): the RolloutOrchestrator against a batch-
 synchronous rollout and against the engine's own limit.
 
 Model: random Qwen3-style decoder, 2 layers, width 128, 4 heads of 32, 2 KV heads, ffw 256, vocab

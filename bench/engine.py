@@ -1,4 +1,4 @@
-"""Engine benchmark (BENCHMARKS.md §3): continuous batching against transformers' static batches.
+"""Engine benchmark (docs/benchmarks.md): continuous batching against transformers' static batches.
 
 Model: random Llama-style decoder, 8 layers, width 512, 8 heads, 4 KV heads, ffw 1408, vocab
 8192 (about 32M parameters), float32; saved with `save_pretrained` and loaded by transformers

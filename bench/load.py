@@ -1,4 +1,4 @@
-"""Checkpoint load benchmark (BENCHMARKS.md §5): seconds and peak resident memory / size.
+"""Checkpoint load benchmark (docs/benchmarks.md): seconds and peak resident memory / size.
 
 Writes a synthetic Llama-style checkpoint of about 1 GB (bf16, several shards, Hugging Face
 layout), then loads it in fresh subprocesses two ways, side by side:

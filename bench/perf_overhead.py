@@ -1,4 +1,4 @@
-"""Profiling overhead (BENCHMARKS.md §6): step times with perf recording on and off.
+"""Profiling overhead (docs/benchmarks.md): step times with perf recording on and off.
 
 Two loops, each on a small random model, each timed with recording streaming into a run
 directory ("on": `perf.start_run`, flusher thread, events.jsonl) and with recording disabled

@@ -1,7 +1,7 @@
-"""Streaming vs synchronous learner benchmark (BENCHMARKS.md §2): agentic GRPO end to end.
+"""Streaming vs synchronous learner benchmark (docs/benchmarks.md): agentic GRPO end to end.
 
-Model: the §1 model (random Qwen3-style, 2 layers, width 128, vocab 256, tied, float32), one copy
-in the engine and one in the trainer. GRPO (no KL; token-level TIS against the behaviour
+Model: bench.agentic's (random Qwen3-style, 2 layers, width 128, vocab 256, tied, float32), one
+copy in the engine and one in the trainer. GRPO (no KL; token-level TIS against the behaviour
 log-probs), G = 4 episodes per prompt, 4 prompts per step. Episodes have heavy-tailed lengths:
 the turn count is geometric (p = 1/2) truncated to 1-6, 16 tokens per turn, and after every turn
 but the last a tool whose latency is log-normal with mean 200 ms (sigma 1) returns 4 tokens.

@@ -1,6 +1,6 @@
-"""Training-step benchmark (BENCHMARKS.md §4): SFT tokens/s with packing vs padding.
+"""Training-step benchmark (docs/benchmarks.md): SFT tokens/s with packing vs padding.
 
-The model of §3 (random Llama-style decoder: 8 layers, width 512, 8 heads of 64, 4 KV heads,
+bench.engine's model (random Llama-style decoder: 8 layers, width 512, 8 heads of 64, 4 KV heads,
 feed-forward 1408, vocab 8192) takes SFT steps on one pool of random token sequences with lengths
 uniform in [32, 1024], every token a target. Both modes see the same sequences through the same
 jitted, donated step (`make_train_step` with the SFT loss):

@@ -1,4 +1,4 @@
-"""The Trajectory contract: one episode, token in and token out (DESIGN.md, "Data contracts").
+"""The Trajectory contract: one episode, token in and token out (docs/architecture.md).
 
 Generated text is never re-tokenized: `tokens` is exactly the context the engine saw, prompt and
 tool/environment turns included, and `loss_mask` is true exactly on the tokens the policy
