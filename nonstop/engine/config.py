@@ -19,72 +19,36 @@ class EngineConfigError(EngineError, ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """How the engine is sized and scheduled.
+    """How the engine is sized and scheduled (docs/engine.md has what each setting is worth).
 
     max_slots: sequences decoded together (S); the KV cache is max_slots x max_len.
     max_len: positions per slot; prompt + completion never exceed it ("cache_full").
-    prefill_chunks: the chunk lengths prefill is compiled for (one compilation each). A prompt
-    is cut into the chunks that cost least in all (`prefill_plan`: padded tokens plus a fixed
-    cost per device call), so a 140-token prompt runs as 64 + 64 + 16, not one padded 256.
-    Sizes above max_len are clipped to max_len.
-    prefill_budget: prompt tokens prefilled between two decode steps while sequences are
-    decoding (at least one chunk); more gives faster time-to-first-token, fewer slower decode.
-    prefill_rows: the most prompts prefilled together in one device call (rows whose next
-    chunk has the same length), compiled for 1, 2, 4, ... up to this many rows. 1 (the
-    default): one prompt per call. More cuts the per-call cost when many sequences start at
-    once, as agents' turns do when their tools return: on the agentic benchmark's model (2
-    layers, 2-core CPU) a 16-token chunk costs 0.17 ms alone and 0.09 ms a row in a call of 8,
-    besides one dispatch and one read-back per call instead of per prompt. A row's result is
-    then computed in a call whose size depends on what else was waiting (see decode_buckets).
-    decode_buckets: the decode step is compiled for attention over the first 1/n, 2/n, ... n/n
-    of the cache (rounded up to multiples of 16; one compilation each), and each step takes the
-    smallest that holds every decoding slot, so short sequences do not pay for reading the
-    whole cache. 1 (the default): always the whole cache, which makes every request's logits
-    bit for bit independent of what else is batched with it, so runs reproduce exactly
-    whatever the timing. With n > 1 the bucket depends on the other live sequences, and so
-    does the float summation order (logprobs move at the 1e-7 level); decode is faster while
-    sequences are short (on CPU, 32 slots: 17 ms a step over a quarter of a 512 cache
-    against 24 ms over all of it).
-    decode_steps_per_call: decode steps run in one device call (K, a `lax.scan` with the
-    sampler inside): one dispatch, one read-back and one round of host bookkeeping per K tokens
-    a slot instead of per token, for when the host's per-step work is a large part of a step
-    (small models, fast accelerators). Tokens are those of K single steps (same sampling
-    streams; logprobs within float summation order). The costs: a request that stops inside a
-    call still occupies its slot for the rest of it (at most K - 1 steps computed and dropped),
-    and a waiting request is admitted only between calls. 1 (the default): one step per call.
-    pipeline_depth: decode calls in flight at once: the host reads back call N (hands out its
-    tokens, checks stops, wakes callers) after launching call N + depth - 1, so the device
-    runs ahead of the host's bookkeeping by depth - 1 calls. 2 (the default): the device
-    computes step N + 1 while the host handles step N. 3 absorbs hiccups in the host's
-    per-step work (a garbage collection, the event loop holding the GIL) at the cost of one
-    more step computed and dropped, and one more step held, for each request that stops on
-    a token (one that ends at `max_tokens` or the end of the cache leaves the batch right
-    after its last step at any depth); on the agentic benchmark (2-core CPU, 64 slots, 1000
-    ms tools) the device went from 0.90 to 0.95 busy, and episodes/s rose 1% (see
-    docs/engine.md). 1: launch and wait.
+    prefill_chunks: chunk lengths prefill is compiled for; a prompt runs as the chunks that cost
+        least in padding plus per-call overhead (`prefill_plan`). Clipped to max_len.
+    prefill_budget: prompt tokens prefilled between two decode steps while others decode: more
+        gives a faster first token, slower decoding.
+    prefill_rows: the most prompts (with next chunks of equal length) prefilled in one call.
+        More cuts per-call cost when many turns start at once; above 1 a row's float summation
+        depends on what else was waiting (logprobs move at the 1e-7 level).
+    decode_buckets: decode is compiled for attention over the first 1/n, ..., n/n of the cache,
+        each step taking the smallest that holds every live slot. Faster while sequences are
+        short; above 1 results depend on the batch at the 1e-7 level, so 1 (the default) keeps
+        runs bit for bit reproducible.
+    decode_steps_per_call: decode steps per device call (K, sampler inside), for when the
+        host's per-step work is a large part of a step. A request stopping inside a call holds
+        its slot to the call's end (up to K - 1 steps dropped); admission waits for the call.
+    pipeline_depth: decode calls in flight; the device runs depth - 1 calls ahead of the host's
+        bookkeeping. Deeper absorbs host hiccups, at one more dropped step per request that
+        stops on a token. 1: launch and wait.
     cache_dtype: the KV cache's dtype; None: the model's compute dtype.
-    swap_space_gib: host memory for the KV caches of evicted sessions. When a slot is needed
-    and the least recently used idle session gives up its slot, its keys and values are
-    copied to the host (up to this budget, least recently evicted dropped first) and written
-    back when its next turn is admitted, so only the new tokens are prefilled (an agent's turn
-    after a tool call, with more episodes in flight than slots). The restored cache is the one
-    computed before, bit for bit, so results do not depend on whether a session was evicted.
-    0 (the default): off, an evicted session's next turn prefills its whole context. The copy
-    out is launched without waiting (one slot read per eviction, taken to the host once it
-    is there). On the agentic benchmark (2-layer model, 2-core CPU, 32 slots) it prefilled
-    4.7x fewer tokens and ran 15-18% more episodes/s at 200 ms tool latency (less steadily at
-    1000 ms: -5% to +27%), with the device less busy (the host's per-step work, not prefill,
-    was then the limit).
-    parked_slots: rows of a second KV cache on the device (each the size of a slot's) where
-        idle sessions evicted from their slots are kept. The decode step does not run over
-        them; an evicted session's cache is moved there, and moved back into whichever slot its
-        next turn gets, so that turn prefills only its new tokens, with no copy through the
-        host. All the moves of one admission pass run as one device call. When it is full, the
-        least recently parked session goes on to the host swap space (`swap_space_gib`) if that
-        is on, else its cache is dropped. 0 (the default): off. Bit for bit the same results
-        as without it.
+    swap_space_gib: host memory for evicted idle sessions' caches, written back when their next
+        turn is admitted, so it prefills only new tokens (bit for bit the same results).
+        0 (the default): off, an evicted session's next turn prefills its whole context.
+    parked_slots: rows of a second device cache holding evicted sessions' caches, moved in and
+        out in one call per admission pass; when full, the oldest goes to host swap if on, else
+        is dropped. Costs a slot's cache of device memory per row. 0 (the default): off.
     on_weight_update: "continue" keeps in-flight sequences going on the new weights (each token
-    records its policy version); "abort" restarts them on the new weights.
+        records its version); "abort" restarts them on the new weights.
     seed: the engine's stream of seeds for requests that bring none.
     """
 
