@@ -249,8 +249,8 @@ class DeviceSteps:
                    previous: Array, from_previous: Array, sampling: SamplingArrays,
                    attend_len: int) -> tuple[KVCache, StepOutput]:
         """`steps_per_call` decode steps, each sampling inside the call (one dispatch a call,
-        not one for the model and one for the sampler: measured 14% less time a step on the
-        agentic benchmark's model at K = 1); `previous` is the last call's tokens [K, S]."""
+        not one for the model and one for the sampler); `previous` is the last call's tokens
+        [K, S]."""
         K = self.steps_per_call
         self.traces[f"decode_{attend_len}" if K == 1 else f"decode_{K}x{attend_len}"] += 1
         tokens = jnp.where(from_previous, previous[-1], tokens)

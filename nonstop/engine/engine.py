@@ -49,24 +49,15 @@ YOUNG_GC_THRESHOLD = 20_000  # gc_heap_frozen's default first-generation thresho
 
 @contextlib.contextmanager
 def gc_heap_frozen(young_threshold: int = YOUNG_GC_THRESHOLD) -> Iterator[int]:
-    """Within: every object alive at entry is out of the garbage collector's sight
-    (`gc.freeze`, after a collection), so full collections traverse only objects made since
-    instead of JAX's, Flax's and the model's hundreds of thousands; and the youngest
-    generation is collected every `young_threshold` allocations (at least; CPython's default
-    is 700), so older generations, whose collections follow from the young ones', are
-    collected far less often. Yields how many objects were frozen. On exit both are handed
-    back (`gc.unfreeze`, the thresholds as they were), so nothing that dies meanwhile leaks;
-    when the heap was already frozen (an enclosing use, or the caller's own `gc.freeze`) this
-    does nothing.
+    """Shorter garbage-collection pauses for the engine's scheduler thread, which every
+    collection stops.
 
-    Every collection stops every thread, the engine's scheduler too, and the device then
-    waits for its next step. On the agentic benchmark (2-core CPU) a full collection of the
-    ~420k live objects took ~200 ms, three in a 10 s run, and ~30 ms with the heap frozen.
-    With 1,600 episodes in flight (128 slots, 1 s tools), the default thresholds still spent
-    2.0 s of a 21 s run collecting (12 full collections of ~85 ms); 20,000 spent 0.9 s (one
-    full collection), and in three interleaved pairs the engine was 0.02-0.035 busier and
-    episodes/s 1-3% higher. `nonstop rl` and `nonstop agentic` train inside it; `nonstop
-    serve` serves inside it once the engine is up.
+    Within: the objects alive at entry (JAX's, Flax's, the model's) are out of the collector's
+    sight (`gc.freeze`, after a collection), and the youngest generation is collected every
+    `young_threshold` allocations (at least; CPython's default is 700), so older generations
+    are collected far less often. Yields how many objects were frozen. On exit both are handed
+    back, so nothing leaks; inside an already frozen heap this does nothing. `nonstop rl`,
+    `nonstop agentic` and `nonstop serve` run inside it (docs/engine.md).
     """
     if young_threshold < 1:
         raise ValueError(f"gc_heap_frozen: young_threshold={young_threshold}; valid: an int >= 1")

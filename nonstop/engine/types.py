@@ -17,7 +17,7 @@ FinishReason = Literal["stop", "length", "cache_full", "aborted"]
   returned contains it; the token that completed it is the last one);
 - "length": `max_tokens` tokens were generated;
 - "cache_full": prompt + completion filled the engine's `max_len`;
-- "aborted": the engine stopped, or a weight update aborted it and requeueing was impossible.
+- "aborted": the engine stopped before the request finished (the tokens so far are kept).
 """
 
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
