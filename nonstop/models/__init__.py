@@ -9,6 +9,7 @@ from nonstop.models.conversation import Conversation
 from nonstop.models.decoder import Decoder, KVCache, abstract_decoder, init_decoder
 from nonstop.models.image_processor import ImageError, ImageProcessor
 from nonstop.models.multimodal import Gemma3VLM, VLMConfig, init_vlm
+from nonstop.models.peft_format import load_adapters, save_adapters
 from nonstop.models.safetensors_io import CheckpointError
 from nonstop.models.sharding import (
     DEFAULT_RULES,
@@ -47,10 +48,12 @@ __all__ = [
     "apply_vision_lora",
     "init_decoder",
     "init_vlm",
+    "load_adapters",
     "load_pretrained",
     "make_mesh",
     "merge_vision_lora",
     "param_shardings",
+    "save_adapters",
     "save_pretrained",
     "shard_model",
 ]
