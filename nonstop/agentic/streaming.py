@@ -5,48 +5,24 @@
                                LearnerConfig(groups_per_step=4, max_staleness=1))
     records = await learner.run(num_steps=100)
 
-**Streaming.** Rollouts never stop: the orchestrator keeps up to `max_concurrency` episodes in
-flight while the learner trains (in a worker thread) and, every `sync_every` steps, pushes its
-weights into the engine without draining it (in-flight episodes continue on the new weights,
-each token tagged with its version). Policy versions count learner steps: the weights trained at
-step k have version k, and a trajectory trained there has staleness k - (its oldest token's
-version).
-
-**Staleness is bounded by admission, not by discarding.** A group admitted while the engine has
-version v samples only at versions >= v, so it is given the deadline v + max_staleness: it must
-be trained at a step <= that. `StalenessGate` admits a group only while every deadline can
-still be met — with B groups per step and K steps taken, the groups not yet trained (running,
-queued or chosen) must satisfy, for every k >= K, #(deadline <= k) <= (k - K + 1) * B. Since
-deadlines grow with admission order, admission reduces to
-    outstanding + 1 <= (v + max_staleness + 1 - K) * B
-(AReaL's rule). The learner keeps it true by taking ready groups in completion order as long as
-every deadline stays reachable (`StalenessGate.can_take`), and otherwise waiting for the groups
-whose deadlines force them, so short episodes may overtake long ones but never push one past its
-deadline. Nothing is thrown away after the fact, and long episodes are not selected against.
-The importance correction for the lag that remains is the trainer's algorithm config
-(`policy_loss.off_policy`: decoupled PPO, token TIS or sequence masking).
-
-At max_staleness = 0 the step's groups are exactly the ones admitted for it, and they are trained in
-group-id order, so the streaming learner takes exactly the synchronous learner's steps.
-
-**Algorithms.** Group estimators (GRPO, Dr.GRPO, RLOO, DAPO, GSPO) get their advantages in the
-group queue the moment a group completes. PPO's come per token from its critic (GAE) inside
-`PolicyTrainer.train`, KL penalty included. KL as a reward penalty for a group estimator needs a
-reference pass, which is left to the learner step: it sums each episode's KL to the reference
-(`PolicyTrainer.sequence_kl`) and recomputes the groups' advantages from reward - coef * KL, as
-`nonstop rl`'s batch learner does.
+**Streaming.** Rollouts never stop: up to `max_concurrency` episodes stay in flight while the
+learner trains in a worker thread and, every `sync_every` steps, pushes its weights into the
+engine without draining it. Versions count learner steps; a trajectory trained at step k has
+staleness k - (its oldest token's version). Staleness is bounded by admission, not by
+discarding: `StalenessGate` starts a group only if it can still be trained within
+`max_staleness` versions (AReaL's rule, outstanding + 1 <= (v + max_staleness + 1 - K) * B),
+and the learner takes ready groups in completion order as long as every deadline stays
+reachable. The remaining lag is corrected by the algorithm's `policy_loss.off_policy`. At
+max_staleness = 0 it takes exactly the synchronous learner's steps.
 
 **Sync.** Start the step's groups, wait for all of them (replacing groups the queue dropped),
-train, push the weights, repeat: the barrier most RL libraries have.
+train, push the weights, repeat.
 
-**Several processes** (`jax.distributed`, a trainer on the global mesh): every process runs
-this learner with its own engine, orchestrator and queue on its own share of each step's groups:
-with N processes and B = `groups_per_step`, process p rolls out groups kB + p(B/N) ... kB +
-(p+1)(B/N) - 1 at step k (the same group ids, hence the same seeds, as one process gives them),
-and `PolicyTrainer.train` steps on the global batch (each process's trajectories are its rows).
-Every process takes each step together (the train step is a collective), gathers the new weights
-and hands them to its own engine. Staleness is bounded per process by the same rule, with B/N
-groups per step. Reward means in the step records are over all processes.
+Group estimators get their advantages in the group queue, PPO's from its critic inside
+`PolicyTrainer.train`; KL as a reward penalty is applied in the learner step. Under
+`jax.distributed` every process runs a learner on its share of each step's groups and steps
+together on the global batch. docs/concepts.md, docs/agentic.md and docs/scaling.md explain
+each part.
 """
 
 from __future__ import annotations
