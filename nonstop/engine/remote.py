@@ -2,35 +2,20 @@
 that `nonstop serve`, vLLM or SGLang servers can do the rollouts.
 
 Each `generate(token_ids, params)` is one POST to `{base_url}/v1/completions` with a token-id
-prompt. The request relies on these fields beyond the OpenAI schema (vLLM's names, which
-`nonstop serve` implements and SGLang's OpenAI server largely shares):
-- `prompt`: a list of token ids (the text is never re-tokenized);
-- `max_tokens: null` when `params.max_tokens` is None (vLLM then generates up to the context's
-  end);
-- `top_k` (-1 when disabled), `seed`, `stop_token_ids`, and `ignore_eos: true`, so the server
-  stops exactly on `params.stop_token_ids` and `params.stop` as the local engine does, not on the
-  checkpoint's own end-of-sequence ids (put those in `stop_token_ids`);
-- `logprobs: 0`: the sampled token's log-probability at each position;
-- `return_token_ids: true` (vLLM >= 0.10.2: the choice carries `token_ids`) and
-  `return_tokens_as_token_ids: true` (older vLLM: logprobs tokens are spelled "token_id:{id}");
-  the sampled ids are read from whichever the server returns, and a response with neither is an
-  error rather than a guess from text.
-- `skip_special_tokens: false`, so text-based stop strings see the same text as locally.
+prompt (never re-tokenized) and vLLM's extensions: `ignore_eos: true` with `stop_token_ids`, so
+the server stops exactly where the local engine would (put the checkpoint's end-of-sequence ids
+in `params.stop_token_ids`); `logprobs: 0`; `return_token_ids` and `return_tokens_as_token_ids`,
+so the sampled ids are read from whichever the server returns (neither is an error, never a
+guess from text); `skip_special_tokens: false`, so stop strings see the same text as locally.
 
-From the response: `policy_versions` per token when the server reports it (`nonstop serve` does),
-else `policy_version` (a constant the caller sets, e.g. after pushing weights by other means);
-`engine_finish_reason` when present, else the OpenAI finish_reason mapped back ("length" cannot
-tell max_tokens from a full context remotely); `stop_reason` (vLLM's: the stop token id or stop
-string that matched) when present. Logprobs are whatever the server reports for the sampled
-token: nonstop's engine and vLLM's default (raw logprobs) both give the unmodified softmax at
-temperature 1.
+The completion's `policy_versions` come from the server when it reports them (`nonstop serve`
+does), else from the constant `policy_version`; its finish reason from `engine_finish_reason`
+when present, else from the OpenAI one ("length" cannot tell `max_tokens` from a full context).
+Sessions are accepted and ignored (vLLM's and SGLang's prefix caches give the same saving).
 
-Sessions are a hint only: the argument is accepted for interface parity and ignored, since remote
-servers keep no per-episode slot; vLLM's and SGLang's prefix caches give the same saving.
-
-Connection failures (and 502/503/504 answers) are retried with exponential backoff; any other
-HTTP error raises at once: `RemoteRequestError` (also an engine `RequestError`) for 4xx, with the
-server's message, and `RemoteEngineError` for 5xx and malformed responses.
+Connection failures and 502/503/504 are retried with exponential backoff; a 4xx raises
+`RemoteRequestError` (also an engine `RequestError`) with the server's message, a 5xx or a
+malformed response `RemoteEngineError`. docs/engine.md has an example.
 """
 
 from __future__ import annotations
