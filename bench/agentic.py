@@ -45,7 +45,7 @@ from nonstop.agentic.agent import derive_seed
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, LoopLagMonitor, RolloutOrchestrator
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams, gc_heap_frozen
+from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.models import ModelConfig, init_decoder
 
 PROMPT, TURNS, TURN_TOKENS, TOOL_TOKENS = 8, 3, 16, 4
@@ -234,12 +234,7 @@ def main() -> None:
     parked = args.max_concurrency if args.parked_slots is None else args.parked_slots
     # Attention buckets and batched prefill on: throughput over bit-exact batch invariance
     # (see EngineConfig).
-    engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=max_len,
-                    prefill_chunks=(16, 64), decode_buckets=4,
-                    prefill_rows=args.prefill_rows,
-                    decode_steps_per_call=args.decode_steps,
-                    pipeline_depth=args.pipeline_depth,
-                    swap_space_gib=args.swap_gib, parked_slots=parked).start()
+    engine = Engine(init_decoder(cfg, seed=0), EngineConfig(max_slots=slots, max_len=max_len, prefill_chunks=(16, 64), decode_buckets=4, prefill_rows=args.prefill_rows, decode_steps_per_call=args.decode_steps, pipeline_depth=args.pipeline_depth, swap_space_gib=args.swap_gib, parked_slots=parked)).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder, load_pretrained, save_pretrained
 
 CONFIG = ModelConfig(family="llama", vocab_size=8192, hidden_size=512, intermediate_size=1408,
@@ -229,9 +229,7 @@ def main() -> None:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    engine = Engine(ours, max_slots=args.slots, max_len=work.max_len,
-                    prefill_chunks=(16, 64, 256), prefill_budget=256,
-                    decode_buckets=args.decode_buckets)
+    engine = Engine(ours, EngineConfig(max_slots=args.slots, max_len=work.max_len, prefill_chunks=(16, 64, 256), prefill_budget=256, decode_buckets=args.decode_buckets))
     t = time.perf_counter()
     engine.start()
     print(f"engine warm-up (compilation) {time.perf_counter() - t:.1f}s; "

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from nonstop import perf
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
 from nonstop.perf import overhead
 from nonstop.train.state import TrainState
@@ -69,8 +69,7 @@ def _timed(fn: Callable[[], int], on: bool, run_root: str, rep: str) -> tuple[fl
 
 
 def engine_loop(cfg: ModelConfig, slots: int, tokens: int) -> tuple[Callable[[], int], Engine]:
-    engine = Engine(init_decoder(cfg, seed=0), max_slots=slots, max_len=16 + tokens + 1,
-                    prefill_chunks=(16,))  # fmt: skip
+    engine = Engine(init_decoder(cfg, seed=0), EngineConfig(max_slots=slots, max_len=16 + tokens + 1, prefill_chunks=(16,)))  # fmt: skip
     engine.start()
     rs = np.random.RandomState(0)
     prompts = [rs.randint(3, cfg.vocab_size, size=16).tolist() for _ in range(slots)]

@@ -38,11 +38,11 @@ from flax import nnx
 from bench.agentic import model_config
 from nonstop import perf
 from nonstop.agentic.agent import derive_seed
-from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.streaming import StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams, gc_heap_frozen
+from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.models import init_decoder
 from nonstop.rl import KLConfig, OffPolicyConfig, RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -80,8 +80,8 @@ def factory(vocab: int, tool_latency: bool):
     return make
 
 
-def learner_config(max_staleness: int, concurrency: int, seed: int) -> LearnerConfig:
-    return LearnerConfig(groups_per_step=PROMPTS_PER_STEP, max_staleness=max_staleness,
+def learner_config(max_staleness: int, concurrency: int, seed: int) -> StreamingLearnerConfig:
+    return StreamingLearnerConfig(groups_per_step=PROMPTS_PER_STEP, max_staleness=max_staleness,
                          sync_every=1, orchestrator=OrchestratorConfig(
                              group_size=G, max_concurrency=concurrency, seed=seed, agent=AGENT))
 
@@ -125,7 +125,7 @@ def main() -> None:
                               max_segments_per_row=8)))
     engine_params = jax.tree.map(jnp.copy, nnx.state(model))
     max_len = 8 + MAX_TURNS * TURN_TOKENS + (MAX_TURNS - 1) * TOOL_TOKENS + 4
-    engine = Engine(model, max_slots=slots, max_len=max_len, prefill_chunks=(16, 64)).start()
+    engine = Engine(model, EngineConfig(max_slots=slots, max_len=max_len, prefill_chunks=(16, 64))).start()
 
     # Compile the train step (and the group scoring) before anything is timed.
     warm = []

@@ -4,10 +4,9 @@ asynchronous rollout pipeline."""
 from nonstop.agentic.agent import Agent, StepTimeoutError, derive_seed
 from nonstop.agentic.config import (
     AgentConfig,
-    AgenticConfigError,
     GroupQueueConfig,
-    LearnerConfig,
     OrchestratorConfig,
+    StreamingLearnerConfig,
 )
 from nonstop.agentic.environment import (
     AgentAction,
@@ -55,9 +54,8 @@ from nonstop.agentic.trajectory_builder import (
 __all__ = [
     "Agent",
     "AgentConfig",
-    "AgenticConfigError",
     "GroupQueueConfig",
-    "LearnerConfig",
+    "StreamingLearnerConfig",
     "OrchestratorConfig",
     "GroupQueue",
     "QueueClosed",

@@ -22,6 +22,7 @@ and the episodes of a group (different seeds) differ.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -59,10 +60,9 @@ class Agent:
 
     def _params(self, turn_seed: int, budget: int) -> SamplingParams:
         c = self.config
-        return SamplingParams(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                              max_tokens=budget,
-                              stop_token_ids=() if c.ignore_eos else c.stop_token_ids,
-                              seed=turn_seed)
+        stops = () if c.ignore_eos else c.sampling.stop_token_ids
+        return dataclasses.replace(c.sampling, max_tokens=budget, stop_token_ids=stops,
+                                   seed=turn_seed)
 
     async def run_episode(self, interaction: Interaction, *, group_id: int, episode_id: int,
                           seed: int) -> Trajectory:

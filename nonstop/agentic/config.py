@@ -1,5 +1,5 @@
 """Frozen configs of the agentic pipeline: one episode (`AgentConfig`), the rollout orchestrator,
-the group queue, and the learners that consume it (`LearnerConfig`).
+the group queue, and the learners that consume it (`StreamingLearnerConfig`).
 
 Every field is validated in `__post_init__`; an error names the config, the field, the bad value
 and what would be valid.
@@ -10,20 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
+from nonstop.engine.sampling import SamplingParams
+from nonstop.models.validation import check as _check
 from nonstop.rl.config import OverlongConfig, RLAlgorithmConfig
 
 # "none": the queue sets no advantage; PPO's per-token advantages come from its critic (GAE)
 # inside the trainer.
 GroupAdvantage = Literal["grpo", "dr_grpo", "rloo", "none"]
-
-
-class AgenticConfigError(ValueError):
-    """An agentic config field has a value outside what is valid."""
-
-
-def _check(ok: bool, owner: str, field: str, value: object, valid: str) -> None:
-    if not ok:
-        raise AgenticConfigError(f"{owner}.{field} = {value!r} is not valid; valid: {valid}")
 
 
 def _positive_or_none(owner: str, field: str, value: float | None) -> None:
@@ -34,7 +27,9 @@ def _positive_or_none(owner: str, field: str, value: float | None) -> None:
 class AgentConfig:
     """One episode: how each turn samples and where the episode is cut off.
 
-    max_turns: model turns per episode. max_tokens_per_turn: sampled tokens per turn.
+    sampling: each turn's temperature, top-k, top-p and stop tokens (empty: the tokenizer's
+    end-of-sequence ids); its `max_tokens` and `seed` stay unset (they come from the budgets
+    below and the episode's seed). max_turns: model turns per episode. max_tokens_per_turn: sampled tokens per turn.
     max_episode_tokens: sampled tokens over all turns. max_context_tokens: the whole context
     (prompt, turns, observations); None: the engine's `max_len`. episode_timeout_s: wall clock
     for the whole episode (it then ends with status "timeout" and keeps its complete turns).
@@ -48,11 +43,11 @@ class AgentConfig:
     max_context_tokens: int | None = None
     episode_timeout_s: float | None = None
     step_timeout_s: float | None = 120.0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False
+
+    RENAMED = {"temperature": "sampling.temperature", "top_k": "sampling.top_k",
+               "top_p": "sampling.top_p", "stop_token_ids": "sampling.stop_token_ids"}
 
     def __post_init__(self) -> None:
         owner = "AgentConfig"
@@ -63,10 +58,10 @@ class AgentConfig:
                "max_context_tokens", self.max_context_tokens, "None or an int >= 2")
         _positive_or_none(owner, "episode_timeout_s", self.episode_timeout_s)
         _positive_or_none(owner, "step_timeout_s", self.step_timeout_s)
-        _check(self.temperature >= 0, owner, "temperature", self.temperature, ">= 0")
-        _check(self.top_k >= 0, owner, "top_k", self.top_k, ">= 0 (0 turns it off)")
-        _check(0 < self.top_p <= 1, owner, "top_p", self.top_p, "in (0, 1]")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(self.sampling.max_tokens is None, owner, "sampling.max_tokens",
+               self.sampling.max_tokens, "null (set max_tokens_per_turn)")
+        _check(self.sampling.seed is None, owner, "sampling.seed", self.sampling.seed,
+               "null (turn seeds derive from the orchestrator's seed)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,7 +120,7 @@ class GroupQueueConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LearnerConfig:
+class StreamingLearnerConfig:
     """The streaming learner (and its synchronous baseline).
 
     groups_per_step: groups in one optimizer step (B). max_staleness: the most policy versions
@@ -143,7 +138,7 @@ class LearnerConfig:
     orchestrator: OrchestratorConfig = OrchestratorConfig()
 
     def __post_init__(self) -> None:
-        owner = "LearnerConfig"
+        owner = "StreamingLearnerConfig"
         _check(self.groups_per_step >= 1, owner, "groups_per_step", self.groups_per_step,
                "an int >= 1")
         _check(self.max_staleness >= 0, owner, "max_staleness", self.max_staleness,

@@ -43,9 +43,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nonstop import perf
-from nonstop.agentic.config import AgenticConfigError
 from nonstop.agentic.environment import AgentAction, Environment, Observation, StepResult, Task
 from nonstop.models.chat import Message
+from nonstop.models.validation import check
 
 EnvironmentFactory = Callable[[], Environment]
 ACTOR_DEATHS = "rollout/env_actor_deaths"  # counter: environment actors found dead and replaced
@@ -79,18 +79,15 @@ class RayEnvConfig:
     num_cpus_per_actor: float = 1.0
 
     def __post_init__(self) -> None:
-        def check(ok: bool, field: str, valid: str) -> None:
-            if not ok:
-                raise AgenticConfigError(f"RayEnvConfig.{field} = {getattr(self, field)!r} is "
-                                         f"not valid; valid: {valid}")
-
-        check(self.address is None or bool(self.address.strip()), "address",
+        owner = "RayEnvConfig"
+        check(self.address is None or bool(self.address.strip()), owner, "address", self.address,
               "None (a local Ray) or a cluster address such as 'auto' or 'ray://head:10001'")
-        check(isinstance(self.num_actors, int) and self.num_actors >= 1, "num_actors",
-              "an int >= 1")
-        check(isinstance(self.max_concurrency, int) and self.max_concurrency >= 1,
-              "max_concurrency", "an int >= 1")
-        check(self.num_cpus_per_actor >= 0, "num_cpus_per_actor", "a number >= 0")
+        check(isinstance(self.num_actors, int) and self.num_actors >= 1, owner, "num_actors",
+              self.num_actors, "an int >= 1")
+        check(isinstance(self.max_concurrency, int) and self.max_concurrency >= 1, owner,
+              "max_concurrency", self.max_concurrency, "an int >= 1")
+        check(self.num_cpus_per_actor >= 0, owner, "num_cpus_per_actor",
+              self.num_cpus_per_actor, "a number >= 0")
 
 
 def init_ray(config: RayEnvConfig, **local_options: Any) -> bool:

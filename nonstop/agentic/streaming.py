@@ -2,7 +2,7 @@
 `SyncLearner` baseline, both built from the orchestrator, the group queue and `PolicyTrainer`.
 
     learner = StreamingLearner(trainer, engine, make_interaction,
-                               LearnerConfig(groups_per_step=4, max_staleness=1))
+                               StreamingLearnerConfig(groups_per_step=4, max_staleness=1))
     records = await learner.run(num_steps=100)
 
 **Streaming.** Rollouts never stop: up to `max_concurrency` episodes stay in flight while the
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from nonstop import perf
-from nonstop.agentic.config import LearnerConfig
+from nonstop.agentic.config import StreamingLearnerConfig
 from nonstop.agentic.group_queue import GroupQueue, ScoredGroup, advantages_of
 from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
 from nonstop.engine import Engine
@@ -130,14 +130,14 @@ class StepRecord:
 
 class _Learner:
     def __init__(self, trainer: PolicyTrainer, engine: Engine, make_interaction:
-                 InteractionFactory, config: LearnerConfig | None = None) -> None:
+                 InteractionFactory, config: StreamingLearnerConfig | None = None) -> None:
         self.trainer = trainer
         self.engine = engine
         self.make_interaction = make_interaction
-        config = config or LearnerConfig()
+        config = config or StreamingLearnerConfig()
         self.processes, self.rank = jax.process_count(), jax.process_index()
         if config.groups_per_step % self.processes:
-            raise ValueError(f"LearnerConfig.groups_per_step={config.groups_per_step} must be "
+            raise ValueError(f"StreamingLearnerConfig.groups_per_step={config.groups_per_step} must be "
                              f"a multiple of the {self.processes} processes (each rolls out an "
                              "equal share of every step's groups)")
         self.global_config = config

@@ -5,7 +5,7 @@
         completion = await engine.generate(token_ids, SamplingParams(max_tokens=64))
 """
 
-from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.engine.config import EngineConfig
 from nonstop.engine.engine import Engine, EngineStats, gc_heap_frozen
 from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
 from nonstop.engine.requests import Detokenizer, Session
@@ -17,7 +17,6 @@ __all__ = [
     "Detokenizer",
     "Engine",
     "EngineConfig",
-    "EngineConfigError",
     "EngineError",
     "EngineStats",
     "FinishReason",

@@ -7,14 +7,10 @@ import threading
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from nonstop.engine.types import EngineError
+from nonstop.models.validation import check, check_choice, check_int, check_ints
 
 WeightUpdateMode = Literal["continue", "abort"]
 CacheDtype = Literal["float32", "bfloat16"]
-
-
-class EngineConfigError(EngineError, ValueError):
-    """An `EngineConfig` field has a value the engine cannot use."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,37 +63,24 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets",
-                     "decode_steps_per_call", "pipeline_depth"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineConfigError(f"EngineConfig.{name}: got {value!r}; valid: an int >= 1")
-        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
-            raise EngineConfigError(f"EngineConfig.max_len: got {self.max_len!r}; valid: an int "
-                                    ">= 2 (a prompt token and a generated one)")
+        owner = "EngineConfig"
+        check_ints(owner, self, ("max_slots", "prefill_budget", "prefill_rows", "decode_buckets",
+                                 "decode_steps_per_call", "pipeline_depth"))
+        check_int(owner, "max_len", self.max_len, low=2)  # a prompt token and a generated one
         chunks = tuple(self.prefill_chunks)
-        if not chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
-                             for c in chunks):
-            raise EngineConfigError(f"EngineConfig.prefill_chunks: got {self.prefill_chunks!r}; "
-                                    "valid: a non-empty tuple of ints >= 1")
+        check(bool(chunks) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                   for c in chunks),
+              owner, "prefill_chunks", self.prefill_chunks, "a non-empty list of ints >= 1")
         object.__setattr__(self, "prefill_chunks", chunks)
-        if self.cache_dtype is not None and self.cache_dtype not in get_args(CacheDtype):
-            raise EngineConfigError(f"EngineConfig.cache_dtype: got {self.cache_dtype!r}; "
-                                    f"valid: None or one of {get_args(CacheDtype)}")
+        check(self.cache_dtype is None or self.cache_dtype in get_args(CacheDtype), owner,
+              "cache_dtype", self.cache_dtype, f"null or one of {get_args(CacheDtype)}")
         swap = self.swap_space_gib
-        if isinstance(swap, bool) or not isinstance(swap, int | float) or not 0 <= swap < 1e6:
-            raise EngineConfigError(f"EngineConfig.swap_space_gib: got {swap!r}; valid: a "
-                                    "number of GiB >= 0 (0 turns session swapping off)")
-        parked = self.parked_slots
-        if isinstance(parked, bool) or not isinstance(parked, int) or parked < 0:
-            raise EngineConfigError(f"EngineConfig.parked_slots: got {parked!r}; valid: an int "
-                                    ">= 0 (0 turns parking off)")
-        if self.on_weight_update not in get_args(WeightUpdateMode):
-            raise EngineConfigError(f"EngineConfig.on_weight_update: got "
-                                    f"{self.on_weight_update!r}; valid: "
-                                    f"{get_args(WeightUpdateMode)}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise EngineConfigError(f"EngineConfig.seed: got {self.seed!r}; valid: an int")
+        check(not isinstance(swap, bool) and isinstance(swap, int | float) and 0 <= swap < 1e6,
+              owner, "swap_space_gib", swap, "a number of GiB >= 0 (0 turns session swapping off)")
+        check_int(owner, "parked_slots", self.parked_slots, low=0)
+        check_choice(owner, "on_weight_update", self.on_weight_update, WeightUpdateMode)
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), owner, "seed",
+              self.seed, "an int")
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
@@ -201,4 +184,4 @@ def _plan(sizes: tuple[int, ...], length: int) -> tuple[int, ...]:
     return tuple(plan)
 
 
-__all__ = ["CacheDtype", "EngineConfig", "EngineConfigError", "WeightUpdateMode"]
+__all__ = ["CacheDtype", "EngineConfig", "WeightUpdateMode"]

@@ -28,14 +28,13 @@ import gc
 import itertools
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps
 from nonstop.engine.images import check_image_prompt
 from nonstop.engine.requests import Detokenizer, Request, Resolve, Session
@@ -112,14 +111,8 @@ class Engine:
 
     def __init__(self, model: Decoder | Gemma3VLM, config: EngineConfig | None = None, *,
                  tokenizer: Detokenizer | None = None, policy_version: int = 0,
-                 mesh: Mesh | None = None, **overrides: Any) -> None:
-        config = config or EngineConfig()
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise EngineConfigError(f"Engine: unknown setting(s) {unknown}; valid: "
-                                    f"{sorted(fields)}")
-        self.config = dataclasses.replace(config, **overrides) if overrides else config
+                 mesh: Mesh | None = None) -> None:
+        self.config = config or EngineConfig()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         dtype = None if self.config.cache_dtype is None else jnp.dtype(self.config.cache_dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Literal
 
 import jax
 import numpy as np
@@ -35,28 +35,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nonstop.models import KVCache, ModelConfig
-from nonstop.models.sharding import DEFAULT_RULES, ShardingRules, make_mesh, param_shardings
+from nonstop.models.sharding import (
+    DEFAULT_RULES,
+    MeshShape,
+    ShardingRules,
+    make_mesh,
+    param_shardings,
+)
+from nonstop.models.validation import check_choice
 
 PlacementMode = Literal["colocated", "disaggregated"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshShape:
-    """Sizes of a ("data", "fsdp", "tp") mesh; their product is its number of devices."""
-
-    data: int = 1
-    fsdp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("data", "fsdp", "tp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeshShape.{name}={value!r} is invalid; expected an int >= 1")
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,9 +58,7 @@ class PlacementConfig:
     trainer: MeshShape = MeshShape()
 
     def __post_init__(self) -> None:
-        if self.mode not in get_args(PlacementMode):
-            raise ValueError(f"PlacementConfig.mode={self.mode!r} is invalid; expected one of "
-                             f"{get_args(PlacementMode)}")
+        check_choice("PlacementConfig", "mode", self.mode, PlacementMode)
         if self.mode == "colocated" and self.engine.num_devices != self.trainer.num_devices:
             raise ValueError(
                 f"PlacementConfig: colocated engine and trainer share their devices, but engine "

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from nonstop.engine.types import RequestError
+from nonstop.models.validation import check
 
 _SEED_MOD = 2**32
 
@@ -57,31 +58,26 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        owner = "SamplingParams"
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise RequestError(f"SamplingParams.temperature: got {t!r}; valid: a finite "
-                               "float >= 0 (0 is greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"SamplingParams.top_k: got {self.top_k!r}; valid: an int >= 0 "
-                               "(0 turns it off)")
+        check(not isinstance(t, bool) and isinstance(t, int | float) and math.isfinite(t)
+              and t >= 0, owner, "temperature", t, "a finite float >= 0 (0 is greedy)",
+              RequestError)
+        check(not isinstance(self.top_k, bool) and isinstance(self.top_k, int) and self.top_k >= 0,
+              owner, "top_k", self.top_k, "an int >= 0 (0 turns it off)", RequestError)
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise RequestError(f"SamplingParams.top_p: got {p!r}; valid: a float in (0, 1]")
+        check(not isinstance(p, bool) and isinstance(p, int | float) and 0 < p <= 1, owner,
+              "top_p", p, "a float in (0, 1]", RequestError)
         m = self.max_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise RequestError(f"SamplingParams.max_tokens: got {m!r}; valid: an int >= 1 "
-                               "or None")
-        for tok in self.stop_token_ids:
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                raise RequestError(f"SamplingParams.stop_token_ids: got {tok!r} in "
-                                   f"{self.stop_token_ids!r}; valid: ints >= 0")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise RequestError(f"SamplingParams.stop: got {s!r} in {self.stop!r}; "
-                                   "valid: non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int)):
-            raise RequestError(f"SamplingParams.seed: got {self.seed!r}; valid: an int or None")
+        check(m is None or (not isinstance(m, bool) and isinstance(m, int) and m >= 1), owner,
+              "max_tokens", m, "an int >= 1 or null", RequestError)
+        check(all(not isinstance(tok, bool) and isinstance(tok, int) and tok >= 0
+                  for tok in self.stop_token_ids), owner, "stop_token_ids", self.stop_token_ids,
+              "ints >= 0", RequestError)
+        check(all(isinstance(s, str) and s for s in self.stop), owner, "stop", self.stop,
+              "non-empty strings", RequestError)
+        check(self.seed is None or (not isinstance(self.seed, bool) and isinstance(self.seed, int)),
+              owner, "seed", self.seed, "an int or null", RequestError)
 
     @property
     def greedy(self) -> bool:

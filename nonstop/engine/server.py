@@ -458,6 +458,7 @@ def serve(config: ServerConfig) -> None:
     import jax.numpy as jnp
     import uvicorn
 
+    from nonstop.engine.config import EngineConfig
     from nonstop.engine.engine import Engine, gc_heap_frozen
     from nonstop.models import load_pretrained
 
@@ -465,7 +466,7 @@ def serve(config: ServerConfig) -> None:
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = load_pretrained(model_dir, dtype=getattr(jnp, config.dtype))
     max_len = min(config.max_len, model.cfg.max_position_embeddings)
-    engine = Engine(model, max_slots=config.max_slots, max_len=max_len, tokenizer=tokenizer)
+    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len), tokenizer=tokenizer)
     engine.start()  # compiles before the port opens, so /health answering means ready
     serving = OpenAIServing(engine.generate, tokenizer,
                             model_name=config.model_name or model_dir.resolve().name,

@@ -14,11 +14,13 @@ from nonstop.models.safetensors_io import CheckpointError
 from nonstop.models.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
+    MeshShape,
     ShardingRules,
     make_mesh,
     param_shardings,
     shard_model,
 )
+from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.vision import VisionConfig, apply_vision_lora, merge_vision_lora
 
@@ -50,6 +52,11 @@ __all__ = [
     "init_vlm",
     "load_adapters",
     "load_pretrained",
+    "MeshShape",
+    "ModelSource",
+    "TokenizerSource",
+    "build_model",
+    "build_tokenizer",
     "make_mesh",
     "merge_vision_lora",
     "param_shardings",

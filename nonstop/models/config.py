@@ -13,14 +13,12 @@ import json
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from nonstop.models.validation import ConfigError
+
 Family = Literal["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 Activation = Literal["silu", "gelu_tanh", "gelu"]
 LayerType = Literal["full", "sliding"]
 RopeKind = Literal["default", "linear", "llama3"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unsupported or inconsistent."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nonstop.models.validation import check_ints
+
 MESH_AXES = ("data", "fsdp", "tp")
 
 
@@ -65,6 +67,22 @@ class ShardingRules:
 
 
 DEFAULT_RULES = ShardingRules()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    """Sizes of a ("data", "fsdp", "tp") mesh; their product is its number of devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        check_ints("MeshShape", self, ("data", "fsdp", "tp"))
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.tp
 
 
 def make_mesh(*, data: int = 1, fsdp: int = 1, tp: int = 1,

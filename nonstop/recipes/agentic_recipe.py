@@ -26,17 +26,11 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-import yaml
 from flax import nnx
 from tqdm import tqdm
 
 from nonstop import perf
-from nonstop.agentic.config import (
-    AgentConfig,
-    AgenticConfigError,
-    LearnerConfig,
-    OrchestratorConfig,
-)
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.environment import Environment
 from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
@@ -45,26 +39,19 @@ from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.ray_backend import RayEnvConfig, RayEnvironmentPool, import_ray, init_ray
 from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ChatInteraction
-from nonstop.engine import Engine, gc_heap_frozen
+from nonstop.engine import Engine, EngineConfig, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
 from nonstop.models.checkpoint import save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
+from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
+from nonstop.models.validation import check
 from nonstop.perf import busy_fraction, read_events
-from nonstop.recipes.config_io import dump_config
-from nonstop.recipes.rl_recipe import (
-    AlgorithmName,
-    EngineSettings,
-    RLRunConfig,
-    build_model,
-    build_tokenizer,
-    multi_host_mesh,
-)
+from nonstop.recipes.rl_recipe import AlgorithmName, multi_host_mesh
+from nonstop.recipes.run import start_run
 from nonstop.rl.config import RLAlgorithmConfig
-from nonstop.rl.learner import RolloutConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
-from nonstop.sft.config import ModelSource, TokenizerSource
 from nonstop.train import OptimizerConfig, PackingConfig, distributed
 
 EnvName = Literal["calculator", "gridworld"]
@@ -84,12 +71,11 @@ class EnvSettings:
     ray: RayEnvConfig = RayEnvConfig()  # with backend "ray": cluster address, actors
 
     def __post_init__(self) -> None:
-        if self.backend not in ("local", "ray"):
-            raise AgenticConfigError(f"EnvSettings.backend = {self.backend!r} is not valid; "
-                                     "valid: 'local' (in-process) or 'ray' (Ray actors)")
-        if self.backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise AgenticConfigError("EnvSettings.backend = 'ray' needs the `ray` package, "
-                                     "which is not installed: `pip install nonstop[ray]`")
+        check(self.backend in ("local", "ray"), "EnvSettings", "backend", self.backend,
+              "'local' (in-process) or 'ray' (Ray actors)")
+        check(self.backend != "ray" or importlib.util.find_spec("ray") is not None,
+              "EnvSettings", "backend", self.backend,
+              "'local': 'ray' needs the `ray` package (`pip install nonstop[ray]`)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,7 +104,7 @@ class AgenticRunConfig:
     critic_optimizer: OptimizerConfig | None = None  # ppo's value model; None: `optimizer`
     packing: PackingConfig = PackingConfig(buckets=(320, 512, 1024), rows_per_batch=16,
                                            max_segments_per_row=4, overlong="truncate")
-    engine: EngineSettings = EngineSettings(max_slots=64, max_len=512)
+    engine: EngineConfig = EngineConfig(max_slots=64, max_len=512)
 
     def __post_init__(self) -> None:
         self.algorithm_config()  # validates the algorithm's settings up front
@@ -126,9 +112,8 @@ class AgenticRunConfig:
     def algorithm_config(self) -> RLAlgorithmConfig:
         """The named preset, with its length constants (Dr.GRPO's normaliser, DAPO's overlong
         limit) set from the episode's sampled-token budget, `agent.max_episode_tokens`."""
-        budget = RolloutConfig(max_new_tokens=self.agent.max_episode_tokens)
-        return RLRunConfig(algorithm=self.algorithm, kl_coef=self.kl_coef,
-                           rollout=budget).algorithm_config()
+        return RLAlgorithmConfig.for_run(self.algorithm, budget=self.agent.max_episode_tokens,
+                                         kl_coef=self.kl_coef)
 
 
 def make_env(cfg: EnvSettings) -> Environment:
@@ -167,9 +152,15 @@ def interaction_factory(cfg: AgenticRunConfig, tokenizer: Tokenizer, task_offset
     return make
 
 
-def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, temperature: float) -> AgentConfig:
-    stops = tuple(cfg.agent.stop_token_ids) or tuple(tokenizer.eos_ids)
-    return dataclasses.replace(cfg.agent, temperature=temperature, stop_token_ids=stops)
+def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, *, greedy: bool = False
+                 ) -> AgentConfig:
+    """`cfg.agent` with the tokenizer's end-of-sequence ids as stops unless it names its own;
+    `greedy`: temperature 0 (evaluation), else the configured sampling (training)."""
+    sampling = cfg.agent.sampling
+    stops = sampling.stop_token_ids or tuple(tokenizer.eos_ids)
+    sampling = dataclasses.replace(sampling, stop_token_ids=stops,
+                                   **({"temperature": 0.0} if greedy else {}))
+    return dataclasses.replace(cfg.agent, sampling=sampling)
 
 
 async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
@@ -179,7 +170,7 @@ async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer
     orchestrator = RolloutOrchestrator(
         engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET, new_env),
         OrchestratorConfig(group_size=1, max_concurrency=cfg.max_concurrency,
-                           agent=agent_config(cfg, tokenizer, 0.0)))
+                           agent=agent_config(cfg, tokenizer, greedy=True)))
     tasks = np.array_split(np.arange(cfg.num_eval), jax.process_count())[jax.process_index()]
     with perf.span(perf.TRAIN_EVAL):
         groups = await orchestrator.run_groups([int(i) for i in tasks])
@@ -222,16 +213,10 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     Records into `RUN_DIR/perf` unless a perf run is already active (then the caller owns it and
     `engine_busy_fraction` is None: compute it with `engine_busy_during` once that run ends).
     """
-    # Under `jax.distributed` (NONSTOP_COORDINATOR_ADDRESS etc., see docs/scaling.md) every
-    # process runs this with its own engine and environments on its share of each step's
-    # groups; the trainer steps on the global batch; process 0 writes the shared files.
-    distributed.initialize(distributed.DistributedConfig.from_env())
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    own_dir = Path(distributed.process_run_dir(str(run_dir)))
-    own_dir.mkdir(parents=True, exist_ok=True)
-    if distributed.is_main_process():
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    # Under `jax.distributed` every process runs this with its own engine and environments on
+    # its share of each step's groups; the trainer steps on the global batch.
+    run = start_run(cfg, cfg.run_dir)
+    run_dir, own_dir = run.root, run.own
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     started = time.perf_counter()
     owns_perf = perf.active_run_dir() is None
@@ -245,17 +230,17 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             critic_optimizer=cfg.critic_optimizer, packing=cfg.packing,
             lora_only=cfg.lora is not None, seed=cfg.seed),
             mesh=multi_host_mesh(PlacementConfig()) if processes > 1 else None)
-        learner_cfg = LearnerConfig(
+        learner_cfg = StreamingLearnerConfig(
             groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
             sync_every=cfg.sync_every,
             orchestrator=OrchestratorConfig(group_size=cfg.group_size,
                                             max_concurrency=cfg.max_concurrency, seed=cfg.seed,
-                                            agent=agent_config(cfg, tokenizer, 1.0)))
+                                            agent=agent_config(cfg, tokenizer)))
         learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
         # Several processes: each host's engine holds a local copy of the initial model (the
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, **cfg.engine.engine_kwargs(),
+        with Engine(engine_model, cfg.engine,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
             learner = learner_cls(trainer, engine,

@@ -11,6 +11,12 @@ must be a field of its dataclass, every value must fit the field's annotation (n
 `__post_init__` checks run. Any failure is a `ConfigError` naming the dotted key path, the value,
 and what would be valid (the dataclass's keys, the Literal's choices or the expected type).
 
+A key inside a section changes that key alone: the section starts from the enclosing field's
+own default (e.g. `AgenticRunConfig.engine`'s `max_len=512`), not from the section class's
+defaults, so defaults live in one place that the loader and the Python constructors share. A
+key a config class has renamed (its `RENAMED` mapping, old key -> new dotted key) is refused
+with the new name.
+
 Two conveniences, both lossless: a float field takes a string YAML leaves unparsed (PyYAML reads
 `1e-5` as a string), and a `tuple[X, ...]` field takes a single scalar as a 1-tuple.
 """
@@ -27,7 +33,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from nonstop.models.config import ConfigError
+from nonstop.models.validation import ConfigError
 
 T = TypeVar("T")
 
@@ -227,6 +233,11 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
         _fail(path, value, cls)
     fields = {f.name: f for f in _init_fields(cls)}
     unknown = [key for key in value if key not in fields]
+    renamed = getattr(cls, "RENAMED", {})
+    for key in unknown:
+        if key in renamed:
+            raise ConfigError(f"config key {_join(path, str(key))!r} has moved: set "
+                              f"{_join(path, renamed[key])!r} instead")
     if unknown:
         key = _join(path, str(unknown[0]))
         raise ConfigError(
@@ -246,8 +257,34 @@ def _build_dataclass(cls: type, value: Any, path: str) -> Any:
             f"(expected {_describe(_hints(cls)[missing[0]])})"
         )
     hints = _hints(cls)
-    kwargs = {key: _build(hints[key], item, _join(path, key)) for key, item in value.items()}
+    kwargs = {key: _build(hints[key], _with_default(fields[key], item), _join(path, key))
+              for key, item in value.items()}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as error:  # the dataclass's own __post_init__ checks
+        field = getattr(error, "field", None)
+        if field is not None:  # said again with the dotted key the user wrote
+            again = ConfigError(f"{_join(path, field)}={error.value!r} is invalid; expected "  # type: ignore[attr-defined]
+                                f"{error.valid}")  # type: ignore[attr-defined]
+            again.field, again.value, again.valid = field, error.value, error.valid  # type: ignore[attr-defined]
+            raise again from None
         raise ConfigError(f"{_where(path)}: {error}") from None
+
+
+def _with_default(field: dataclasses.Field, value: Any) -> Any:
+    """A section's keys over the field's own default section (its other keys kept)."""
+    default = field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = field.default_factory()  # type: ignore[misc]
+    if not isinstance(value, dict) or not dataclasses.is_dataclass(default):
+        return value
+    return _merge(dump_config(default), value)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, item in top.items():
+        below = merged.get(key)
+        merged[key] = (_merge(below, item) if isinstance(below, dict) and isinstance(item, dict)
+                       else item)
+    return merged

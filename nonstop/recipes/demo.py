@@ -28,19 +28,19 @@ from nonstop import perf
 from nonstop.agentic.config import AgentConfig
 from nonstop.agentic.envs import CalculatorEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
+from nonstop.engine import EngineConfig
 from nonstop.models import Decoder, Tokenizer
+from nonstop.models.char_tokenizer import char_tokenizer
+from nonstop.models.source import ModelSource, TokenizerSource
 from nonstop.recipes.agentic_recipe import (
     AgenticRunConfig,
     EnvSettings,
     engine_busy_during,
     run_agentic,
 )
-from nonstop.recipes.char_tokenizer import char_tokenizer
-from nonstop.recipes.rl_recipe import EngineSettings
 from nonstop.sft import SFTRunConfig, train
-from nonstop.sft.config import CheckpointSettings, ModelSource, TokenizerSource
 from nonstop.sft.data import DataConfig
-from nonstop.train import MetricsConfig, OptimizerConfig, PackingConfig
+from nonstop.train import CheckpointConfig, MetricsConfig, OptimizerConfig, PackingConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +89,7 @@ class DemoConfig:
                                       weight_decay=0.0),
             packing=PackingConfig(buckets=(320,), rows_per_batch=16, max_segments_per_row=2,
                                   overlong="truncate"),
-            engine=EngineSettings(max_slots=self.max_concurrency, max_len=512))
+            engine=EngineConfig(max_slots=self.max_concurrency, max_len=512))
 
 
 def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: int) -> None:
@@ -112,7 +112,7 @@ def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer) -> Decoder:
                               overlong="truncate"),
         optimizer=OptimizerConfig(learning_rate=cfg.sft_learning_rate, schedule="constant",
                                   weight_decay=0.0),
-        checkpoint=CheckpointSettings(save_every=max(cfg.sft_steps, 1)),
+        checkpoint=CheckpointConfig(save_every=max(cfg.sft_steps, 1)),
         metrics=MetricsConfig(progress_bar=cfg.progress), export=False)
     return train(sft, tokenizer=tokenizer).state.model()
 

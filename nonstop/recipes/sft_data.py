@@ -24,8 +24,8 @@ import os
 import random
 from typing import Any
 
+from nonstop.models.char_tokenizer import char_tokenizer
 from nonstop.models.tokenizer import Tokenizer
-from nonstop.recipes.char_tokenizer import char_tokenizer
 from nonstop.recipes.tasks.arithmetic import ArithmeticTask
 from nonstop.recipes.tasks.base import split_of
 from nonstop.sft.config import BuiltinData, SFTRunConfig

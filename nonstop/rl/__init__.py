@@ -47,7 +47,6 @@ from nonstop.rl.config import (
     PolicyLossConfig,
     RatioLevel,
     RLAlgorithmConfig,
-    RLConfigError,
     SequenceRatio,
     ValueLossConfig,
 )
@@ -116,7 +115,6 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossOutput",
     "RLAlgorithmConfig",
-    "RLConfigError",
     "RatioLevel",
     "SequenceRatio",
     "ValueLossConfig",

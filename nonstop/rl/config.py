@@ -9,7 +9,10 @@ pure functions in `advantages.py`, `policy_loss.py`, `kl.py`, `aggregation.py` a
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal
+
+from nonstop.models.validation import check as _check
+from nonstop.models.validation import check_choice
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "gae"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]
@@ -18,20 +21,6 @@ KLEstimator = Literal["k1", "k2", "k3"]
 KLMode = Literal["loss", "reward"]
 OffPolicyCorrection = Literal["none", "decoupled", "tis", "sequence_mask"]
 SequenceRatio = Literal["geometric_mean", "product"]
-
-
-class RLConfigError(ValueError):
-    """An RL config field has a value outside what is valid."""
-
-
-def _check_choice(owner: str, field: str, value: object, choices: tuple[object, ...]) -> None:
-    if value not in choices:
-        raise RLConfigError(f"{owner}.{field} = {value!r} is not valid; use one of {choices}")
-
-
-def _check(ok: bool, owner: str, field: str, value: object, valid: str) -> None:
-    if not ok:
-        raise RLConfigError(f"{owner}.{field} = {value!r} is not valid; it must be {valid}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +38,7 @@ class AdvantageConfig:
     whiten: bool = False  # GAE: normalise advantages over the step's batch (PPO practice)
 
     def __post_init__(self) -> None:
-        _check_choice("AdvantageConfig", "estimator", self.estimator, get_args(AdvantageEstimator))
+        check_choice("AdvantageConfig", "estimator", self.estimator, AdvantageEstimator)
         _check(self.std_eps > 0, "AdvantageConfig", "std_eps", self.std_eps, "> 0")
         _check(0.0 <= self.gamma <= 1.0, "AdvantageConfig", "gamma", self.gamma, "in [0, 1]")
         _check(0.0 <= self.lam <= 1.0, "AdvantageConfig", "lam", self.lam, "in [0, 1]")
@@ -69,8 +58,8 @@ class KLConfig:
     mode: KLMode = "loss"
 
     def __post_init__(self) -> None:
-        _check_choice("KLConfig", "estimator", self.estimator, get_args(KLEstimator))
-        _check_choice("KLConfig", "mode", self.mode, get_args(KLMode))
+        check_choice("KLConfig", "estimator", self.estimator, KLEstimator)
+        check_choice("KLConfig", "mode", self.mode, KLMode)
         _check(self.coef >= 0, "KLConfig", "coef", self.coef, ">= 0")
 
     @property
@@ -101,8 +90,8 @@ class OffPolicyConfig:
 
     def __post_init__(self) -> None:
         owner = "OffPolicyConfig"
-        _check_choice(owner, "correction", self.correction, get_args(OffPolicyCorrection))
-        _check_choice(owner, "sequence_ratio", self.sequence_ratio, get_args(SequenceRatio))
+        check_choice(owner, "correction", self.correction, OffPolicyCorrection)
+        check_choice(owner, "sequence_ratio", self.sequence_ratio, SequenceRatio)
         _check(self.weight_cap >= 1.0, owner, "weight_cap", self.weight_cap, ">= 1")
         _check(0.0 <= self.mask_low <= 1.0, owner, "mask_low", self.mask_low, "in [0, 1]")
         _check(self.mask_high >= 1.0, owner, "mask_high", self.mask_high, ">= 1")
@@ -129,8 +118,8 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         owner = "PolicyLossConfig"
-        _check_choice(owner, "ratio_level", self.ratio_level, get_args(RatioLevel))
-        _check_choice(owner, "aggregation", self.aggregation, get_args(AggregationMode))
+        check_choice(owner, "ratio_level", self.ratio_level, RatioLevel)
+        check_choice(owner, "aggregation", self.aggregation, AggregationMode)
         _check(
             0.0 <= self.clip_eps_low < 1.0, owner, "clip_eps_low", self.clip_eps_low, "in [0, 1)"
         )
@@ -304,9 +293,28 @@ class RLAlgorithmConfig:
         )
 
     @classmethod
+    def for_run(cls, name: str, *, budget: int, kl_coef: float | None = None
+                ) -> RLAlgorithmConfig:
+        """Preset `name` with its length constants set from a run's sampled-token `budget`:
+        Dr.GRPO's constant normaliser and DAPO's overlong limit are the budget (the papers'
+        values assume budgets of thousands of tokens), DAPO's soft-punishment buffer a fifth of
+        it (4096 of 20480 in the paper); `kl_coef` (None: the preset's) replaces the KL weight."""
+        if name == "dr_grpo":
+            algorithm = cls.dr_grpo(max_len_norm=budget)
+        elif name == "dapo":
+            algorithm = cls.dapo(max_response_tokens=budget, buffer_tokens=max(1, budget // 5))
+        else:
+            algorithm = cls.preset(name)
+        if kl_coef is None:
+            return algorithm
+        loss = algorithm.policy_loss
+        kl = dataclasses.replace(loss.kl, coef=kl_coef)
+        return dataclasses.replace(algorithm, policy_loss=dataclasses.replace(loss, kl=kl))
+
+    @classmethod
     def preset(cls, name: str) -> RLAlgorithmConfig:
         """A preset by name: one of `PRESETS`."""
-        _check_choice("RLAlgorithmConfig", "name", name, PRESETS)
+        check_choice("RLAlgorithmConfig", "name", name, PRESETS)
         return getattr(cls, name)()
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from nonstop import perf
 from nonstop.engine import Engine, SamplingParams
 from nonstop.models import Conversation, Message, Tokenizer
+from nonstop.models.validation import check, check_int, check_ints
 from nonstop.rl.advantages import episode_advantages, overlong_penalty
 from nonstop.rl.policy_trainer import PolicyTrainer
 from nonstop.rl.rewards import Example, OnError, Reward, evaluate_rewards
@@ -42,25 +43,31 @@ class NoVarianceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
+    """G samples of each of `prompts_per_step` prompts, each up to `max_new_tokens` tokens, drawn
+    with `sampling`'s temperature, top-k and top-p (its `max_tokens`, stops and seed stay unset:
+    the budget above, the tokenizer's end-of-sequence ids and per-episode seeds apply)."""
+
     group_size: int = 8  # G
     prompts_per_step: int = 4
     max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = SamplingParams()
     prompt_format: PromptFormat = "raw"
     add_bos: bool = False
 
+    RENAMED = {"temperature": "sampling.temperature", "top_k": "sampling.top_k",
+               "top_p": "sampling.top_p"}
+
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group-relative advantages, "
-                             f"got {self.group_size}")
-        if self.prompts_per_step < 1 or self.max_new_tokens < 1:
-            raise ValueError("prompts_per_step and max_new_tokens must be >= 1")
+        owner = "RolloutConfig"
+        check_int(owner, "group_size", self.group_size, low=2)  # group-relative advantages
+        check_ints(owner, self, ("prompts_per_step", "max_new_tokens"))
+        s = self.sampling
+        check(s.max_tokens is None and s.seed is None and not s.stop_token_ids and not s.stop,
+              owner, "sampling", s, "only temperature, top_k and top_p set")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LearnerConfig:
+class BatchLearnerConfig:
     rollout: RolloutConfig = RolloutConfig()
     steps: int = 100
     max_sampling_rounds: int = 4  # dynamic sampling: extra rounds of prompts per step
@@ -92,7 +99,7 @@ class Learner:
     """Synchronous GRPO-family learner over a stream of `Example`s scored by one `Reward`."""
 
     def __init__(self, trainer: PolicyTrainer, engine: Engine, tokenizer: Tokenizer,
-                 examples: Iterator[Example], reward: Reward, cfg: LearnerConfig, *,
+                 examples: Iterator[Example], reward: Reward, cfg: BatchLearnerConfig, *,
                  on_step: Callable[[int, dict[str, float]], None] | None = None) -> None:
         self.trainer = trainer
         self.engine = engine
@@ -109,9 +116,8 @@ class Learner:
 
     def _sampling(self, seed: int) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=r.max_new_tokens,
-                              stop_token_ids=tuple(self.tokenizer.eos_ids), seed=seed)
+        return dataclasses.replace(r.sampling, max_tokens=r.max_new_tokens,
+                                   stop_token_ids=tuple(self.tokenizer.eos_ids), seed=seed)
 
     async def _rollout_groups(self, examples: Sequence[Example], first_group: int,
                               seed_base: int, offset: int = 0) -> list[list[Trajectory]]:

@@ -4,7 +4,8 @@
 fill in (`nonstop.recipes.config_io`). It reuses the components' own configs — `DataConfig`,
 `PackingConfig`, `OptimizerConfig`, `LoRAConfig`, `QuantConfig`, `DPOConfig`, `ORPOConfig`,
 `MetricsConfig` — and adds what only a run knows: where the model and tokenizer come from, the
-built-in data, checkpoint cadence, dtype, mesh, steps and seed.
+built-in data, dtype, steps and seed. Model and tokenizer sources, checkpoints and the mesh
+use the shared `ModelSource`, `TokenizerSource`, `CheckpointConfig` and `MeshShape`.
 
 Two rules keep one source of truth per setting:
 - `packing` lives at the top level and applies to every data source; `data.packing` must stay at
@@ -15,14 +16,16 @@ Two rules keep one source of truth per setting:
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal
 
-from nonstop.models.chat_templates import CHAT_FORMATS, ChatFormat
-from nonstop.models.config import Family
 from nonstop.models.lora import LoRAConfig
 from nonstop.models.quantize import QuantConfig
+from nonstop.models.sharding import MeshShape
+from nonstop.models.source import ModelSource, TokenizerSource
+from nonstop.models.validation import ConfigError, check_choice, invalid
 from nonstop.sft.data import DataConfig
 from nonstop.sft.losses import DPOConfig, ORPOConfig
+from nonstop.train.checkpoint import CheckpointConfig
 from nonstop.train.metrics import MetricsConfig
 from nonstop.train.optim import OptimizerConfig
 from nonstop.train.packing import PackingConfig
@@ -32,74 +35,11 @@ Dtype = Literal["float32", "bfloat16"]
 ReferenceMode = Literal["precomputed", "on_the_fly"]
 BuiltinTask = Literal["reverse", "arithmetic"]
 RejectedKind = Literal["mistake", "shout"]
-TokenizerKind = Literal["pretrained", "char"]
 
 
 def _fail(where: str, value: object, valid: str) -> None:
-    raise ValueError(f"{where}={value!r} is invalid; expected {valid}")
-
-
-def _check_choice(where: str, value: object, choices: object) -> None:
-    valid = get_args(choices)
-    if value not in valid:
-        _fail(where, value, f"one of {valid}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSource:
-    """Where the weights come from: a local Hugging Face checkpoint (`path`), a named preset with
-    random weights (`preset`), or, with neither, a tiny `ModelConfig.tiny(family)` with random
-    weights whose sizes the fields below override (`vocab_size` None: the tokenizer's)."""
-
-    path: str | None = None
-    preset: str | None = None
-    family: Family = "llama"
-    vocab_size: int | None = None
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_layers: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    max_position_embeddings: int | None = None
-    tie_embeddings: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.path is not None and self.preset is not None:
-            raise ValueError(
-                f"ModelSource: set model.path={self.path!r} (a checkpoint) or "
-                f"model.preset={self.preset!r} (random weights), not both"
-            )
-        _check_choice("ModelSource.family", self.family, Family)
-        for name, value in self.tiny_overrides().items():
-            if name != "tie_embeddings" and value < 1:
-                _fail(f"ModelSource.{name}", value, "an int >= 1 or null")
-
-    @property
-    def kind(self) -> Literal["checkpoint", "preset", "tiny"]:
-        if self.path is not None:
-            return "checkpoint"
-        return "preset" if self.preset is not None else "tiny"
-
-    def tiny_overrides(self) -> dict[str, int | bool]:
-        names = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "max_position_embeddings", "tie_embeddings")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TokenizerSource:
-    """`pretrained`: a local tokenizer directory (`path`, default the model's checkpoint).
-    `char`: nonstop's built-in character tokenizer with `chat_format`'s special tokens."""
-
-    kind: TokenizerKind = "pretrained"
-    path: str | None = None
-    chat_format: ChatFormat = "qwen"
-
-    def __post_init__(self) -> None:
-        _check_choice("TokenizerSource.kind", self.kind, TokenizerKind)
-        if self.chat_format not in CHAT_FORMATS:
-            _fail("TokenizerSource.chat_format", self.chat_format, f"one of {CHAT_FORMATS}")
+    owner, _, field = where.partition(".")
+    raise invalid(owner, field, value, valid)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,45 +59,12 @@ class BuiltinData:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("BuiltinData.task", self.task, BuiltinTask)
-        _check_choice("BuiltinData.rejected", self.rejected, RejectedKind)
+        check_choice("BuiltinData", "task", self.task, BuiltinTask)
+        check_choice("BuiltinData", "rejected", self.rejected, RejectedKind)
         if self.num_train < 1 or self.num_eval < 1:
             _fail("BuiltinData.num_train/num_eval", (self.num_train, self.num_eval), "ints >= 1")
         if not 1 <= self.min_length <= self.max_length:
             _fail("BuiltinData.min_length", self.min_length, f"in [1, max_length={self.max_length}]")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointSettings:
-    """Checkpoints go to RUN_DIR/checkpoints every `save_every` steps; the last `keep_last` stay."""
-
-    save_every: int = 500
-    keep_last: int | None = 3
-    async_save: bool = True
-
-    def __post_init__(self) -> None:
-        if self.save_every < 1:
-            _fail("CheckpointSettings.save_every", self.save_every, "an int >= 1")
-        if self.keep_last is not None and self.keep_last < 1:
-            _fail("CheckpointSettings.keep_last", self.keep_last, "null (keep all) or an int >= 1")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshSettings:
-    """Device mesh sizes; their product is the number of devices used (the first ones)."""
-
-    data: int = 1
-    fsdp: int = 1
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("data", "fsdp", "tp"):
-            if getattr(self, name) < 1:
-                _fail(f"MeshSettings.{name}", getattr(self, name), "an int >= 1")
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.fsdp * self.tp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,15 +88,15 @@ class SFTRunConfig:
     dpo: DPOConfig = DPOConfig()
     reference: ReferenceMode = "precomputed"
     orpo: ORPOConfig = ORPOConfig()
-    checkpoint: CheckpointSettings = CheckpointSettings()
+    checkpoint: CheckpointConfig = CheckpointConfig(save_every=500)
     metrics: MetricsConfig = MetricsConfig()
-    mesh: MeshSettings = MeshSettings()
+    mesh: MeshShape = MeshShape()
     export: bool = True  # merge adapters (if any) and save_pretrained into RUN_DIR/export
 
     def __post_init__(self) -> None:
-        _check_choice("SFTRunConfig.algorithm", self.algorithm, Algorithm)
-        _check_choice("SFTRunConfig.dtype", self.dtype, Dtype)
-        _check_choice("SFTRunConfig.reference", self.reference, ReferenceMode)
+        check_choice("SFTRunConfig", "algorithm", self.algorithm, Algorithm)
+        check_choice("SFTRunConfig", "dtype", self.dtype, Dtype)
+        check_choice("SFTRunConfig", "reference", self.reference, ReferenceMode)
         if not self.run_dir:
             _fail("SFTRunConfig.run_dir", self.run_dir, "a directory path")
         if self.steps < 1:
@@ -197,14 +104,14 @@ class SFTRunConfig:
         if self.grad_accum_steps < 1:
             _fail("SFTRunConfig.grad_accum_steps", self.grad_accum_steps, "an int >= 1")
         if (self.data is None) == (self.builtin_data is None):
-            raise ValueError(
+            raise ConfigError(
                 "SFTRunConfig: set exactly one of data (your .jsonl/.parquet files: data.paths=...)"
                 " and builtin_data (a built-in synthetic task); got "
                 f"{'both' if self.data is not None else 'neither'}"
             )
         if self.data is not None:
             if self.data.packing != PackingConfig():
-                raise ValueError(
+                raise ConfigError(
                     "SFTRunConfig: set packing.* at the top level, not data.packing.* "
                     "(the top-level packing applies to every data source)"
                 )
@@ -224,13 +131,13 @@ class SFTRunConfig:
                   f"a multiple of grad_accum_steps x mesh.data x mesh.fsdp = "
                   f"{self.grad_accum_steps * shards}")
         if self.quantization is not None and self.lora is None:
-            raise ValueError(
+            raise ConfigError(
                 "SFTRunConfig: quantization (QLoRA) needs lora: quantized weights cannot be "
                 "trained; set lora.rank=... as well"
             )
         if self.tokenizer.kind == "pretrained" and self.tokenizer.path is None \
                 and self.model.path is None:
-            raise ValueError(
+            raise ConfigError(
                 "SFTRunConfig: tokenizer.kind='pretrained' needs tokenizer.path or model.path; "
                 "set one, or tokenizer.kind=char for the built-in character tokenizer"
             )
@@ -248,7 +155,7 @@ class SFTRunConfig:
     def data_config(self) -> DataConfig:
         """The data settings the pipeline runs with (top-level packing applied)."""
         if self.data is None:
-            raise ValueError(
+            raise ConfigError(
                 "SFTRunConfig.data is not set: built-in data must be written first "
                 "(nonstop.recipes.sft_data.materialize)"
             )

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from nonstop.models.validation import ConfigError, check, check_int
 from nonstop.train.state import TrainState
 
 JSON = dict[str, Any]
@@ -33,25 +34,37 @@ JSON = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Where and how often to checkpoint. `keep_last=None` keeps every checkpoint."""
+    """Where and how often to checkpoint. `keep_last=None` keeps every checkpoint.
 
-    directory: str
+    `directory`: the folder a `Checkpointer` writes; in a run config, the folder that holds the
+    run's checkpoint series (`checkpoints/`, `critic_checkpoints/`), null for the run directory
+    itself (see `in_run`)."""
+
+    directory: str | None = None
     save_every: int = 1000
     keep_last: int | None = 3
     async_save: bool = True
 
     def __post_init__(self) -> None:
-        if not self.directory:
-            raise ValueError("CheckpointConfig.directory='' is invalid; expected a path")
-        if self.save_every < 1:
-            raise ValueError(
-                f"CheckpointConfig.save_every={self.save_every!r} is invalid; expected an int >= 1"
-            )
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(
-                f"CheckpointConfig.keep_last={self.keep_last!r} is invalid; "
-                "expected None (keep all) or an int >= 1"
-            )
+        owner = "CheckpointConfig"
+        check(self.directory is None or bool(self.directory), owner, "directory",
+              self.directory, "a path, or null for the run directory")
+        check_int(owner, "save_every", self.save_every)
+        check(self.keep_last is None or self.keep_last >= 1, owner, "keep_last", self.keep_last,
+              "null (keep all) or an int >= 1")
+
+    def in_run(self, run_dir: str | os.PathLike, series: str = "checkpoints") -> CheckpointConfig:
+        """The config of one checkpoint series of a run: `directory`/`series`, or
+        RUN_DIR/`series` when `directory` is null."""
+        parent = self.directory if self.directory is not None else os.fspath(run_dir)
+        return dataclasses.replace(self, directory=os.path.join(parent, series))
+
+
+def _required_directory(cfg: CheckpointConfig) -> str:
+    if cfg.directory is None:
+        raise ConfigError("Checkpointer needs CheckpointConfig.directory; a run config's "
+                          "checkpoint settings get theirs from cfg.in_run(run_dir)")
+    return cfg.directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +89,7 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(
-            os.path.abspath(cfg.directory),
+            os.path.abspath(_required_directory(cfg)),
             options=options,
             item_names=("state", "data", "metadata"),
         )

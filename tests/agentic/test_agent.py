@@ -15,20 +15,21 @@ from nonstop.agentic.environment import AgentAction, Environment, Observation, S
 from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.tools import ToolSet
 from nonstop.agentic.trajectory_builder import ChatInteraction, ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import Message, ModelConfig, init_decoder
-from nonstop.recipes.char_tokenizer import char_tokenizer
+from nonstop.models.char_tokenizer import char_tokenizer
 
 TOKENIZER = char_tokenizer("qwen")
 VOCAB = TOKENIZER.vocab_size  # 101
 TURN = 7
-CONFIG = AgentConfig(max_turns=5, max_tokens_per_turn=TURN, ignore_eos=True, temperature=1.0)
+CONFIG = AgentConfig(max_turns=5, max_tokens_per_turn=TURN, ignore_eos=True,
+                     sampling=SamplingParams(temperature=1.0))
 
 
 @pytest.fixture(scope="module")
 def engine():
     model = init_decoder(ModelConfig.tiny("qwen3", vocab_size=VOCAB), seed=3)
-    with Engine(model, max_slots=5, max_len=128, prefill_chunks=(8, 32)) as e:
+    with Engine(model, EngineConfig(max_slots=5, max_len=128, prefill_chunks=(8, 32))) as e:
         yield e
 
 
@@ -102,7 +103,8 @@ def test_chat_observations_are_tokenized_once_and_model_ids_kept_verbatim(engine
         async def final_reward(self) -> float:
             return float(self.turns)
 
-    config = AgentConfig(max_turns=5, max_tokens_per_turn=6, stop_token_ids=TOKENIZER.eos_ids)
+    config = AgentConfig(max_turns=5, max_tokens_per_turn=6,
+                         sampling=SamplingParams(stop_token_ids=TOKENIZER.eos_ids))
     interaction = ChatInteraction(FeedbackEnv(), TOKENIZER, get_parser("qwen"),
                                   template="qwen", seed=4)
     t = _run(Agent(engine, config).run_episode(interaction, group_id=0, episode_id=0, seed=9))

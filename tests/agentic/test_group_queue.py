@@ -10,8 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from nonstop.agentic.config import AgenticConfigError, GroupQueueConfig, LearnerConfig
+from nonstop.agentic.config import GroupQueueConfig, StreamingLearnerConfig
 from nonstop.agentic.group_queue import GroupQueue, QueueClosed
+from nonstop.models.validation import ConfigError
 from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.config import OverlongConfig
 from nonstop.rl.trajectory import Trajectory
@@ -140,16 +141,16 @@ def test_scoring_does_not_block_the_event_loop():
 
 
 def test_configs_name_the_bad_field():
-    with pytest.raises(AgenticConfigError, match="GroupQueueConfig.advantage = 'gae'"):
+    with pytest.raises(ConfigError, match="GroupQueueConfig.advantage='gae' is invalid"):
         GroupQueueConfig(advantage="gae")
-    with pytest.raises(AgenticConfigError, match=r"LearnerConfig.sync_every = 3 .*max_staleness \+ 1 = 2"):
-        LearnerConfig(max_staleness=1, sync_every=3)
-    with pytest.raises(AgenticConfigError, match="queue_capacity = 5 .* = 8"):
-        LearnerConfig(groups_per_step=4, max_staleness=1, queue_capacity=5)
-    cfg = LearnerConfig(groups_per_step=3, max_staleness=2).queue_config(RLAlgorithmConfig.dapo())
+    with pytest.raises(ConfigError, match=r"StreamingLearnerConfig.sync_every=3 .*max_staleness \+ 1 = 2"):
+        StreamingLearnerConfig(max_staleness=1, sync_every=3)
+    with pytest.raises(ConfigError, match="queue_capacity=5 .* = 8"):
+        StreamingLearnerConfig(groups_per_step=4, max_staleness=1, queue_capacity=5)
+    cfg = StreamingLearnerConfig(groups_per_step=3, max_staleness=2).queue_config(RLAlgorithmConfig.dapo())
     assert cfg.capacity == 9 and cfg.dynamic_sampling and cfg.advantage == "grpo"
     assert cfg.overlong == RLAlgorithmConfig.dapo().overlong
-    ppo = LearnerConfig().queue_config(RLAlgorithmConfig.ppo())
+    ppo = StreamingLearnerConfig().queue_config(RLAlgorithmConfig.ppo())
     assert ppo.advantage == "none" and ppo.overlong is None and not ppo.dynamic_sampling
 
 

@@ -15,7 +15,7 @@ from nonstop.agentic.config import AgentConfig, GroupQueueConfig, OrchestratorCo
 from nonstop.agentic.group_queue import GroupQueue
 from nonstop.agentic.orchestrator import EpisodeSpec, LoopLagMonitor, RolloutOrchestrator
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine
+from nonstop.engine import Engine, EngineConfig
 from nonstop.models import ModelConfig, init_decoder
 from nonstop.rl.trajectory import Trajectory
 
@@ -26,7 +26,7 @@ AGENT = AgentConfig(max_turns=4, max_tokens_per_turn=TURN, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine():
     model = init_decoder(ModelConfig.tiny("qwen3"), seed=11)
-    with Engine(model, max_slots=7, max_len=64, prefill_chunks=(8, 32)) as e:
+    with Engine(model, EngineConfig(max_slots=7, max_len=64, prefill_chunks=(8, 32))) as e:
         yield e
 
 

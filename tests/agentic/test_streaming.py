@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec
 from nonstop.agentic.streaming import StalenessGate, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
 from nonstop.rl import KLConfig, OffPolicyConfig, RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -44,7 +44,7 @@ def setup():
         packing=PackingConfig(buckets=(64,), rows_per_batch=B * G, max_segments_per_row=4))
     trainer = PolicyTrainer(trainer_model, cfg)
     initial = jax.tree.map(jnp.copy, trainer.state), jax.tree.map(jnp.copy, nnx.state(model))
-    with Engine(model, max_slots=8, max_len=64, prefill_chunks=(8, 32)) as engine:
+    with Engine(model, EngineConfig(max_slots=8, max_len=64, prefill_chunks=(8, 32))) as engine:
         yield trainer, engine, initial
 
 
@@ -73,9 +73,9 @@ def make_interaction(spec: EpisodeSpec) -> ScriptedToolInteraction:
                                    reward_fn=lambda answer: float(np.mean(answer) < 128))
 
 
-def _config(max_staleness: int) -> LearnerConfig:
+def _config(max_staleness: int) -> StreamingLearnerConfig:
     agent = AgentConfig(max_turns=4, max_tokens_per_turn=TURN, ignore_eos=True)
-    return LearnerConfig(groups_per_step=B, max_staleness=max_staleness, sync_every=1,
+    return StreamingLearnerConfig(groups_per_step=B, max_staleness=max_staleness, sync_every=1,
                          orchestrator=OrchestratorConfig(group_size=G, max_concurrency=8,
                                                          seed=7, agent=agent))
 

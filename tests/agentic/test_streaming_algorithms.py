@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nonstop.agentic.config import AgentConfig, LearnerConfig, OrchestratorConfig
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec
 from nonstop.agentic.streaming import StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
 from nonstop.rl import OffPolicyConfig, RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -42,7 +42,7 @@ def _tis(algorithm: RLAlgorithmConfig) -> RLAlgorithmConfig:
 def engine_and_model():
     model = init_decoder(ModelConfig.tiny("qwen3"), seed=3)
     params = jax.tree.map(jnp.copy, nnx.state(model))
-    with Engine(model, max_slots=8, max_len=64, prefill_chunks=(8, 32)) as engine:
+    with Engine(model, EngineConfig(max_slots=8, max_len=64, prefill_chunks=(8, 32))) as engine:
         yield engine, model, params
 
 
@@ -76,9 +76,9 @@ def make_interaction(spec: EpisodeSpec) -> ScriptedToolInteraction:
                                    reward_fn=lambda answer: float(np.mean(answer)) / 256)
 
 
-def _config() -> LearnerConfig:
+def _config() -> StreamingLearnerConfig:
     agent = AgentConfig(max_turns=3, max_tokens_per_turn=TURN, ignore_eos=True)
-    return LearnerConfig(groups_per_step=B, max_staleness=0, sync_every=1,
+    return StreamingLearnerConfig(groups_per_step=B, max_staleness=0, sync_every=1,
                          orchestrator=OrchestratorConfig(group_size=G, max_concurrency=8,
                                                          seed=11, agent=agent))
 

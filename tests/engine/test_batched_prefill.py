@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from nonstop.engine import Engine, SamplingParams
-from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps, idle_sampling
 from nonstop.engine.requests import Request
 from nonstop.engine.scheduler import Scheduler
+from nonstop.models.validation import ConfigError
 from tests.engine.engine_fixtures import random_prompt, sharp_tiny_model
 
 MAX_LEN = 64
@@ -32,7 +33,7 @@ def test_prefill_row_counts_are_powers_of_two_up_to_the_setting():
     assert EngineConfig(max_slots=32, prefill_rows=6).prefill_row_counts == (1, 2, 4, 6)
     assert EngineConfig(max_slots=3, prefill_rows=8).prefill_row_counts == (1, 2, 3)
     assert EngineConfig(max_slots=32, prefill_rows=8).prefill_row_count(3) == 4
-    with pytest.raises(EngineConfigError, match="prefill_rows: got 0"):
+    with pytest.raises(ConfigError, match="prefill_rows=0 is invalid"):
         EngineConfig(prefill_rows=0)
 
 
@@ -96,7 +97,7 @@ def test_the_scheduler_puts_waiting_prompts_with_equal_chunks_together(model):
     assert not scheduler.prefilling and not done  # launched, not read back
     scheduler._decode_step()  # launches a step, then reads back the two prefills before it
     assert sorted(done) == list(range(6))
-    with Engine(model, max_slots=1, max_len=MAX_LEN, prefill_chunks=(8, 32)) as one_by_one:
+    with Engine(model, EngineConfig(max_slots=1, max_len=MAX_LEN, prefill_chunks=(8, 32))) as one_by_one:
         for i, n in enumerate(lengths):
             expected = one_by_one.generate_sync(random_prompt(n, seed=i),
                                                 SamplingParams(temperature=0.0, max_tokens=1))
@@ -110,8 +111,7 @@ def test_an_engine_prefilling_rows_together_matches_one_prefilling_one_by_one(mo
                 for i, t in zip(range(12), [0.0, 1.0] * 6, strict=True)]
 
     def run(rows):
-        with Engine(model, max_slots=8, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                    prefill_rows=rows) as engine:
+        with Engine(model, EngineConfig(max_slots=8, max_len=MAX_LEN, prefill_chunks=(8, 32), prefill_rows=rows)) as engine:
             traces = engine.stats().traces
 
             async def main():

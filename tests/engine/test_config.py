@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from nonstop.engine.config import CALL_COST_TOKENS, EngineConfig, EngineConfigError
+from nonstop.engine.config import CALL_COST_TOKENS, EngineConfig
+from nonstop.models.validation import ConfigError
 
 
 def _brute_force_cost(sizes, length):
@@ -60,13 +61,13 @@ def test_attention_lengths_are_rounded_quarters_of_the_cache():
                                                                              48]
     assert EngineConfig(max_len=512, decode_buckets=1).attention_lengths == (512,)
     assert EngineConfig(max_len=10, decode_buckets=8).attention_lengths == (10,)
-    with pytest.raises(EngineConfigError, match="decode_buckets"):
+    with pytest.raises(ConfigError, match="decode_buckets"):
         EngineConfig(decode_buckets=0)
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "4"])
 def test_swap_space_must_be_a_number_of_gib(bad):
-    with pytest.raises(EngineConfigError, match="swap_space_gib"):
+    with pytest.raises(ConfigError, match="swap_space_gib"):
         EngineConfig(swap_space_gib=bad)
     assert EngineConfig().swap_space_gib == 0  # off by default
     assert EngineConfig(swap_space_gib=2).swap_space_gib == 2

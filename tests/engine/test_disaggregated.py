@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.engine.placement import (
     MeshShape,
     PlacementConfig,
@@ -76,8 +76,7 @@ def run():
     for _ in range(STEPS):
         reference, _ = reference_step(reference, fixed_batch())
 
-    engine = Engine(init_decoder(CFG, seed=0), mesh=placement.engine_mesh, max_slots=4,
-                    max_len=32, prefill_chunks=(8,))
+    engine = Engine(init_decoder(CFG, seed=0), EngineConfig(max_slots=4, max_len=32, prefill_chunks=(8,)), mesh=placement.engine_mesh)
     engine.start()
     mesh = placement.trainer_mesh
     state = new_state()
@@ -163,7 +162,7 @@ def test_engine_generates_like_a_colocated_engine_with_the_trained_weights(run):
     host = jax.device_get(run["trained"])
     nnx.update(colocated, jax.tree.map(lambda x: jax.device_put(jnp.asarray(x),
                                                                   jax.devices()[0]), host))
-    with Engine(colocated, max_slots=4, max_len=32, prefill_chunks=(8,)) as engine:
+    with Engine(colocated, EngineConfig(max_slots=4, max_len=32, prefill_chunks=(8,))) as engine:
         want = engine.generate_sync(PROMPT, GREEDY, timeout=60)
     got = run["after"]
     assert got.tokens == want.tokens
@@ -171,8 +170,7 @@ def test_engine_generates_like_a_colocated_engine_with_the_trained_weights(run):
 
 
 def test_an_engine_on_its_sub_mesh_running_several_steps_a_call_generates_the_same(run):
-    engine = Engine(init_decoder(CFG, seed=0), mesh=run["placement"].engine_mesh, max_slots=4,
-                    max_len=32, prefill_chunks=(8,), decode_steps_per_call=3)
+    engine = Engine(init_decoder(CFG, seed=0), EngineConfig(max_slots=4, max_len=32, prefill_chunks=(8,), decode_steps_per_call=3), mesh=run["placement"].engine_mesh)
     with engine:
         traces = dict(engine.stats().traces)
         engine.update_weights(run["trained"], version=1)
@@ -186,8 +184,7 @@ def test_an_engine_on_its_sub_mesh_running_several_steps_a_call_generates_the_sa
 def test_an_engine_on_its_sub_mesh_parks_evicted_sessions_bit_exactly(run):
     """Parking on a mesh: the parking cache is sharded like the cache (3 rows: not a multiple
     of the data axis); an evicted session's turn equals the same turn without the eviction."""
-    engine = Engine(init_decoder(CFG, seed=0), mesh=run["placement"].engine_mesh, max_slots=2,
-                    max_len=32, prefill_chunks=(8,), parked_slots=3)
+    engine = Engine(init_decoder(CFG, seed=0), EngineConfig(max_slots=2, max_len=32, prefill_chunks=(8,), parked_slots=3), mesh=run["placement"].engine_mesh)
     params = SamplingParams(temperature=0.0, max_tokens=4)
 
     def two_turns(others: int):

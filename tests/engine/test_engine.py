@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from nonstop import perf
-from nonstop.engine import Engine, EngineError, RequestError, SamplingParams
+from nonstop.engine import Engine, EngineConfig, EngineError, RequestError, SamplingParams
 from nonstop.engine.requests import Session
 from nonstop.models import ModelConfig, init_decoder
 
@@ -40,8 +40,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                swap_space_gib=0.01, tokenizer=LetterTokenizer()) as e:
+    with Engine(model, EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32), swap_space_gib=0.01), tokenizer=LetterTokenizer()) as e:
         yield e
 
 
@@ -112,7 +111,7 @@ def test_stop_token_ids_and_stop_strings(engine):
 
 
 def test_stop_strings_without_tokenizer_are_a_request_error(model):
-    engine = Engine(model, max_slots=1, max_len=16)  # never started: validation comes first
+    engine = Engine(model, EngineConfig(max_slots=1, max_len=16))  # never started: validation comes first
     with pytest.raises(RequestError, match="needs a tokenizer"):
         engine.generate_sync([5, 6], SamplingParams(stop=("x",)))
     assert not engine.running
@@ -211,8 +210,7 @@ def test_session_misuse_is_a_request_error(engine):
 
 def test_no_compilation_after_warmup(model):
     # A fresh engine: the very first steps after warm-up are the ones most likely to compile.
-    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                    decode_buckets=4).start()
+    engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32), decode_buckets=4)).start()
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event)
@@ -240,7 +238,7 @@ def test_no_compilation_after_warmup(model):
 
 
 def test_stop_aborts_running_requests_and_refuses_new_ones(model):
-    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32)).start()
+    engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32))).start()
     future = engine.submit(_prompt(4), SamplingParams(temperature=0.0))
     while engine.stats().generated_tokens < 2:
         threading.Event().wait(0.001)
@@ -378,7 +376,7 @@ def test_a_swapped_session_cache_is_bit_exact_and_without_swap_it_is_recomputed(
     # The restored keys and values are the ones computed before: identical results.
     assert swapped.num_cached == kept.num_cached == 11 + 4
     assert swapped.tokens == kept.tokens and swapped.logprobs == kept.logprobs
-    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32)) as off:
+    with Engine(model, EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32))) as off:
         recomputed = _two_turns(off, evict=True)
         assert off.stats().evictions >= 1 and off.stats().swapped_out == 0
         assert "read_slot" not in off.stats().traces  # nothing compiled for it
@@ -498,8 +496,7 @@ def test_a_parked_session_cache_is_bit_exact_and_a_full_parking_cache_overflows_
     the slot its next turn gets, so that turn prefills only its new tokens and gives exactly the
     tokens and logprobs it would have without the eviction. With the parking cache full, the
     least recently parked goes on to the host swap and comes back from there."""
-    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                parked_slots=4) as engine:
+    with Engine(model, EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32), parked_slots=4)) as engine:
         traces = engine.stats().traces
         assert traces["park"] == 1  # compiled at warm-up
         kept = _two_turns(engine, evict=False)
@@ -511,8 +508,7 @@ def test_a_parked_session_cache_is_bit_exact_and_a_full_parking_cache_overflows_
         assert after.swapped_out == 0 and engine.stats().traces == traces  # nothing compiled
     assert parked.num_cached == kept.num_cached == 11 + 4
     assert parked.tokens == kept.tokens and parked.logprobs == kept.logprobs
-    with Engine(model, max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                parked_slots=1, swap_space_gib=0.01) as engine:
+    with Engine(model, EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, prefill_chunks=(8, 32), parked_slots=1, swap_space_gib=0.01)) as engine:
         traces = engine.stats().traces
         overflowed = _two_turns(engine, evict=True)
         stats = engine.stats()

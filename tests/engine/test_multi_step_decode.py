@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from nonstop.engine import Engine, SamplingParams
-from nonstop.engine.config import EngineConfig, EngineConfigError
+from nonstop.engine.config import EngineConfig
+from nonstop.models.validation import ConfigError
 from tests.engine.engine_fixtures import random_prompt, sharp_tiny_model
 
 MAX_LEN = 64
@@ -41,8 +42,7 @@ def _requests():
 
 
 def _run(model, k, depth=2):
-    with Engine(model, max_slots=4, max_len=MAX_LEN, prefill_chunks=(8, 32),
-                decode_buckets=2, decode_steps_per_call=k, pipeline_depth=depth) as engine:
+    with Engine(model, EngineConfig(max_slots=4, max_len=MAX_LEN, prefill_chunks=(8, 32), decode_buckets=2, decode_steps_per_call=k, pipeline_depth=depth)) as engine:
         traces = engine.stats().traces
 
         async def episode(seed):
@@ -109,8 +109,7 @@ def test_pipeline_depth_gives_the_tokens_of_two_deep(model, depth):
 
 
 def _lone_request(model, k, depth, params):
-    with Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
-                decode_steps_per_call=k, pipeline_depth=depth) as engine:
+    with Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,), decode_steps_per_call=k, pipeline_depth=depth)) as engine:
         out = engine.generate_sync(random_prompt(4, seed=1), params)
         # Every call is launched before the request resolves; the last ones are read back
         # (their tokens dropped) just after: wait until each token computed is accounted for.
@@ -160,9 +159,9 @@ def test_a_lone_request_to_a_stop_token_costs_the_calls_counted_by_hand(model, k
 def test_decode_steps_per_call_is_validated():
     assert EngineConfig(decode_steps_per_call=4).decode_steps_per_call == 4
     for bad in (0, -1, 2.0, True):
-        with pytest.raises(EngineConfigError, match="decode_steps_per_call: got"):
+        with pytest.raises(ConfigError, match="decode_steps_per_call="):
             EngineConfig(decode_steps_per_call=bad)
     assert EngineConfig(pipeline_depth=3).pipeline_depth == 3
     for bad in (0, 2.5, False):
-        with pytest.raises(EngineConfigError, match="pipeline_depth: got"):
+        with pytest.raises(ConfigError, match="pipeline_depth="):
             EngineConfig(pipeline_depth=bad)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import load_pretrained
 from tests.models.hf_fixtures import FAMILIES, build_hf_model
 
@@ -31,7 +31,7 @@ def family_engine(request, tmp_path_factory):
     build_hf_model(request.param, directory, seed=11, num_layers=2)
     model = load_pretrained(directory)
     # Attention buckets 16/32/48: the requests below cross them while decoding.
-    engine = Engine(model, max_slots=3, max_len=MAX_LEN, prefill_chunks=(8,), decode_buckets=3)
+    engine = Engine(model, EngineConfig(max_slots=3, max_len=MAX_LEN, prefill_chunks=(8,), decode_buckets=3))
     with engine:
         yield model, engine
 

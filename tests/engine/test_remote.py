@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from nonstop.engine.config import EngineConfig
 from nonstop.engine.engine import Engine
 from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
 from nonstop.engine.sampling import SamplingParams
@@ -49,8 +50,7 @@ def local(checkpoint: Path, server: str) -> Iterator[Engine]:
     """The local Engine on the same weights and settings as the server."""
     del server  # started first, so the server compiles while this process does
     tokenizer = Tokenizer.from_pretrained(checkpoint)
-    engine = Engine(load_pretrained(checkpoint), max_slots=MAX_SLOTS, max_len=MAX_LEN,
-                    tokenizer=tokenizer)
+    engine = Engine(load_pretrained(checkpoint), EngineConfig(max_slots=MAX_SLOTS, max_len=MAX_LEN), tokenizer=tokenizer)
     with engine:
         yield engine
 

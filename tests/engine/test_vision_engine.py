@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.engine.types import RequestError
 from nonstop.models import load_pretrained
 from tests.models.vlm_fixtures import build_hf_vlm, image_prompt
@@ -27,7 +27,7 @@ def vlm_engine(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gemma3_vlm_engine")
     build_hf_vlm(directory, seed=5)
     model = load_pretrained(directory)
-    engine = Engine(model, max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,))
+    engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,)))
     with engine:
         yield model, engine
 
@@ -87,7 +87,7 @@ def test_placeholder_count_mismatch_is_a_request_error(vlm_engine):
 
 def test_image_longer_than_largest_chunk_is_a_request_error(tmp_path):
     build_hf_vlm(tmp_path, seed=6)
-    engine = Engine(load_pretrained(tmp_path), max_slots=1, max_len=MAX_LEN, prefill_chunks=(3,))
+    engine = Engine(load_pretrained(tmp_path), EngineConfig(max_slots=1, max_len=MAX_LEN, prefill_chunks=(3,)))
     with pytest.raises(RequestError, match=r"image's 4 tokens exceed the largest prefill chunk"):
         engine.generate_sync(image_prompt([1], 1, [5]), SamplingParams(max_tokens=1),
                              images=_images(1, seed=0))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
 
 MAX_LEN = 96
@@ -44,10 +44,9 @@ def _greedy(engine, prompt, n):
 def test_update_weights_mid_flight(models, mode):
     a, b = models
     compiles = []
-    with Engine(b, max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,)) as on_b:
+    with Engine(b, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,))) as on_b:
         expected_b = _greedy(on_b, _prompt(5), 80).tokens
-    with Engine(a, max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,),
-                on_weight_update=mode) as engine:
+    with Engine(a, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,), on_weight_update=mode)) as engine:
         expected_a = _greedy(engine, _prompt(5), 80).tokens
         assert expected_a != expected_b
         traces = engine.stats().traces
@@ -75,7 +74,7 @@ def test_update_weights_mid_flight(models, mode):
 
 def test_update_weights_checks_shapes_and_dtypes(models):
     a, _ = models
-    engine = Engine(a, max_slots=1, max_len=16)
+    engine = Engine(a, EngineConfig(max_slots=1, max_len=16))
     other = init_decoder(ModelConfig.tiny("qwen3", intermediate_size=59), seed=0)
     with pytest.raises(ValueError, match="structure|mlp"):
         engine.update_weights(nnx.state(other), version=1)

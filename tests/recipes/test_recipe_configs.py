@@ -17,7 +17,7 @@ from nonstop.recipes.agentic_recipe import AgenticRunConfig
 from nonstop.recipes.config_io import load_config
 from nonstop.recipes.rl_recipe import RLRunConfig, build_model, build_tokenizer
 from nonstop.sft.config import SFTRunConfig
-from nonstop.sft.trainer import build_model as build_sft_model
+from nonstop.sft.trainer import build_train_model as build_sft_model
 from nonstop.sft.trainer import load_tokenizer
 from nonstop.sft.vision_trainer import VisionTrainConfig
 from tests.models.tokenizer_fixtures import build_tiny_tokenizer

@@ -24,7 +24,7 @@ from nonstop.sft.data import DataConfig
 from nonstop.sft.evaluate import greedy_chat_answers, preference_accuracy
 from nonstop.sft.preference import policy_of
 from nonstop.sft.reference import training_dataset
-from nonstop.sft.trainer import build_model, train
+from nonstop.sft.trainer import build_train_model, train
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "nonstop", "recipes", "configs")
 QUIET = ["metrics.progress_bar=false", "metrics.tensorboard=false", "export=false",
@@ -62,7 +62,7 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
     batches = [p.batch for p in training_dataset(eval_data, tokenizer)]
     segments = cfg.packing.max_segments_per_row
 
-    before = preference_accuracy(build_model(cfg, tokenizer), batches, num_segments=segments)
+    before = preference_accuracy(build_train_model(cfg, tokenizer), batches, num_segments=segments)
     result = train(cfg, tokenizer=tokenizer)
     after = preference_accuracy(policy_of(result.state.model()), batches, num_segments=segments)
 

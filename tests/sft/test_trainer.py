@@ -38,7 +38,7 @@ from nonstop.sft.preference import (
     zeroed_adapters,
 )
 from nonstop.sft.reference import training_dataset
-from nonstop.sft.trainer import build_mesh, build_model, create_state, setup_step, train
+from nonstop.sft.trainer import build_mesh, build_train_model, create_state, setup_step, train
 from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
 from nonstop.train.metrics import read_jsonl
 
@@ -75,9 +75,9 @@ def test_sharded_step_fsdp2_tp4_equals_unsharded(tmp_path):
     sharded_cfg, _ = tiny_config("sft", tmp_path, "grad_accum_steps=2", "mesh.fsdp=2",
                                  "mesh.tp=4")
     batch = first_batch(cfg, tokenizer)
-    plain = setup_step(cfg, create_state(cfg, build_model(cfg, tokenizer)), None)
+    plain = setup_step(cfg, create_state(cfg, build_train_model(cfg, tokenizer)), None)
     mesh = build_mesh(sharded_cfg)
-    sharded = setup_step(sharded_cfg, create_state(sharded_cfg, build_model(cfg, tokenizer)), mesh)
+    sharded = setup_step(sharded_cfg, create_state(sharded_cfg, build_train_model(cfg, tokenizer)), mesh)
 
     state, sharded_state = plain.state, sharded.state
     for _ in range(2):
@@ -102,7 +102,7 @@ def preference_setup(tmp_path_factory):
 
 def test_lora_reference_is_the_base_and_precomputed_equals_on_the_fly(preference_setup):
     cfg, tokenizer, batch = preference_setup
-    base = build_model(cfg, tokenizer)
+    base = build_train_model(cfg, tokenizer)
     base_logprobs = forward_logprobs(base, batch)
     model = apply_lora(nnx.clone(base), LoRAConfig(rank=3, targets=("q_proj", "v_proj")))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
@@ -134,19 +134,19 @@ def test_lora_reference_is_the_base_and_precomputed_equals_on_the_fly(preference
 def test_full_finetuning_reference_is_a_frozen_copy(preference_setup, tmp_path):
     cfg, tokenizer, batch = preference_setup
     on_the_fly, _ = tiny_config("dpo", tmp_path, "reference=on_the_fly")
-    model = build_model(on_the_fly, tokenizer)
+    model = build_train_model(on_the_fly, tokenizer)
     assert isinstance(model, PolicyWithReference)
     state = create_state(on_the_fly, model)
     trained_paths = {path[0] for path, _ in nnx.to_flat_state(state.params)}
     assert trained_paths == {"policy"}
     model.policy.embed.set_value(model.policy.embed[...] + 1.0)  # training moves the policy only
     np.testing.assert_allclose(forward_logprobs(reference_of(model), batch),
-                               forward_logprobs(build_model(cfg, tokenizer), batch), atol=1e-6)
+                               forward_logprobs(build_train_model(cfg, tokenizer), batch), atol=1e-6)
 
 
 def test_orpo_loss_fn_is_nll_plus_lambda_odds_ratio(preference_setup):
     cfg, tokenizer, batch = preference_setup
-    model = build_model(cfg, tokenizer)
+    model = build_train_model(cfg, tokenizer)
     num, den, aux = orpo_loss_fn(ORPOConfig(lam=0.7), num_segments=8)(model, batch,
                                                                        jax.random.key(0))
     pairs = preference_pairs(seq_logprobs(forward_logprobs(model, batch), batch.loss_mask,
@@ -175,7 +175,7 @@ def test_qlora_run_trains_and_saves_only_adapters_and_exports_merged(tmp_path):
     assert any(np.abs(v[...]).max() > 0 for p, v in params if p[-1] == "lora_b")  # it trained
     with Checkpointer(CheckpointConfig(directory=str(tmp_path / "checkpoints"))) as ckpt:
         assert ckpt.all_steps() == [1, 2]
-        restored = ckpt.restore(create_state(cfg, build_model(cfg, tokenizer)))
+        restored = ckpt.restore(create_state(cfg, build_train_model(cfg, tokenizer)))
     assert_trees_close(restored.state.params, result.state.params, atol=0)
 
     exported = load_pretrained(result.export_dir)

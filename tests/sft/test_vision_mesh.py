@@ -28,7 +28,7 @@ from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig
 from nonstop.models.multimodal import init_vlm
 from nonstop.models.sharding import make_mesh
-from nonstop.sft.config import MeshSettings
+from nonstop.models.sharding import MeshShape
 from nonstop.sft.vision_data import make_vision_batch
 from nonstop.sft.vision_trainer import (
     VisionTrainConfig,
@@ -47,7 +47,7 @@ from tests.sft.test_vision_sft import SEQ_LEN, _cfg
 from tests.sft.test_vision_sft import setup as setup  # noqa: F401 (the module fixture)
 from tests.train.test_multiprocess import free_port
 
-MESH = MeshSettings(data=2, fsdp=2)
+MESH = MeshShape(data=2, fsdp=2)
 STEPS = 4
 # Measured: losses (about 6) 4.8e-7 apart, one float32 ulp; LoRA parameters 2.6e-7 apart, of
 # lora_b entries up to 0.37.
@@ -228,7 +228,7 @@ def test_rows_or_images_not_divisible_by_the_mesh_is_an_error(base, tmp_path, ch
 
 
 def test_mesh_larger_than_the_devices_is_an_error(base, tmp_path):
-    cfg = _config(base, tmp_path, mesh=MeshSettings(data=2, fsdp=8), batch_size=16,
+    cfg = _config(base, tmp_path, mesh=MeshShape(data=2, fsdp=8), batch_size=16,
                   max_images=16)
     with pytest.raises(ValueError, match=r"mesh data=2 x fsdp=8 x tp=1 needs 16 devices; 8 are "
                                          r"available"):
