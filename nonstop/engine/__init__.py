@@ -1,7 +1,7 @@
 """Inference: KV cache, on-device sampling, a continuous-batching scheduler and its async API.
 
     from nonstop.engine import Engine, SamplingParams
-    with Engine(model, max_slots=16, max_len=1024) as engine:
+    with Engine(model, EngineConfig(max_slots=16, max_len=1024)) as engine:
         completion = await engine.generate(token_ids, SamplingParams(max_tokens=64))
 """
 

@@ -1,6 +1,6 @@
 """`Engine`: continuous-batching inference over one model, with an asyncio client API.
 
-    engine = Engine(model, max_slots=16, max_len=1024, tokenizer=tok)
+    engine = Engine(model, EngineConfig(max_slots=16, max_len=1024), tokenizer=tok)
     with engine:                                   # start(): warm-up compiles, thread starts
         c = await engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_tokens=64))
         c.tokens, c.logprobs, c.finish_reason, c.policy_versions

@@ -15,7 +15,7 @@ the trainer `fsdp`.
 
     placement = place(PlacementConfig(mode="disaggregated", engine=MeshShape(tp=4),
                                       trainer=MeshShape(fsdp=4)))
-    engine = Engine(model, mesh=placement.engine_mesh, max_slots=16, max_len=2048)
+    engine = Engine(model, EngineConfig(max_slots=16, max_len=2048), mesh=placement.engine_mesh)
     # ... train on placement.trainer_mesh ...
     engine.update_weights(nnx.state(trained_model), version=1)   # resharded onto the engine
 

@@ -108,6 +108,16 @@ class AgenticRunConfig:
 
     def __post_init__(self) -> None:
         self.algorithm_config()  # validates the algorithm's settings up front
+        self.learner_config(self.agent)  # and the learner's (staleness, sync cadence)
+
+    def learner_config(self, agent: AgentConfig) -> StreamingLearnerConfig:
+        """The learner's settings, its episodes run with `agent`."""
+        return StreamingLearnerConfig(
+            groups_per_step=self.groups_per_step, max_staleness=self.max_staleness,
+            sync_every=self.sync_every,
+            orchestrator=OrchestratorConfig(group_size=self.group_size,
+                                            max_concurrency=self.max_concurrency,
+                                            seed=self.seed, agent=agent))
 
     def algorithm_config(self) -> RLAlgorithmConfig:
         """The named preset, with its length constants (Dr.GRPO's normaliser, DAPO's overlong
@@ -215,13 +225,14 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     """
     # Under `jax.distributed` every process runs this with its own engine and environments on
     # its share of each step's groups; the trainer steps on the global batch.
+    # 1. The run directory and the tokenizer.
     run = start_run(cfg, cfg.run_dir)
-    run_dir, own_dir = run.root, run.own
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     started = time.perf_counter()
     owns_perf = perf.active_run_dir() is None
     processes = jax.process_count()
-    with perf.run(own_dir / "perf") if owns_perf else contextlib.nullcontext():
+    with perf.run(run.own / "perf") if owns_perf else contextlib.nullcontext():
+        # 2. The policy and its trainer.
         model = model if model is not None else build_model(cfg.model, tokenizer, seed=cfg.seed)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
@@ -230,40 +241,41 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             critic_optimizer=cfg.critic_optimizer, packing=cfg.packing,
             lora_only=cfg.lora is not None, seed=cfg.seed),
             mesh=multi_host_mesh(PlacementConfig()) if processes > 1 else None)
-        learner_cfg = StreamingLearnerConfig(
-            groups_per_step=cfg.groups_per_step, max_staleness=cfg.max_staleness,
-            sync_every=cfg.sync_every,
-            orchestrator=OrchestratorConfig(group_size=cfg.group_size,
-                                            max_concurrency=cfg.max_concurrency, seed=cfg.seed,
-                                            agent=agent_config(cfg, tokenizer)))
-        learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
+        # 3. The engine and the environments: evaluate, train with the learner, evaluate.
         # Several processes: each host's engine holds a local copy of the initial model (the
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
         with Engine(engine_model, cfg.engine,
                     tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
             before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
+            learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
             learner = learner_cls(trainer, engine,
                                   interaction_factory(cfg, tokenizer, cfg.seed, new_env),
-                                  learner_cfg)
+                                  cfg.learner_config(agent_config(cfg, tokenizer)))
             rl_started = time.perf_counter()
             with perf.span(RL_PHASE), gc_heap_frozen():
                 records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
             rl_seconds = time.perf_counter() - rl_started
             after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
-        final_dir = save_final_model(trainer, model, run_dir / FINAL_MODEL_DIR)
-    with (own_dir / "metrics.jsonl").open("a") as f:
+        # 4. The trained policy and the per-step metrics.
+        final_dir = save_final_model(trainer, model, run.root / FINAL_MODEL_DIR)
+    write_step_metrics(run.own / "metrics.jsonl", records)
+    return {"solve_rate_before": before, "solve_rate_after": after, "steps": len(records),
+            "train_reward_first": records[0].reward_mean if records else None,
+            "train_reward_last": records[-1].reward_mean if records else None,
+            "engine_busy_fraction": engine_busy_during(run.own / "perf") if owns_perf else None,
+            "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
+            "run_dir": str(run.root), "final_model": str(final_dir)}
+
+
+def write_step_metrics(path: Path, records: list[StepRecord]) -> None:
+    """One JSON line per learner step."""
+    with path.open("a") as f:
         for r in records:
             f.write(json.dumps({"step": r.version + 1, "reward_mean": r.reward_mean,
                                 "max_staleness": max(r.staleness, default=0),
                                 "data_wait_s": r.data_wait_s, "train_s": r.train_s,
-                                **{k: v for k, v in r.metrics.items()}}) + "\n")
-    return {"solve_rate_before": before, "solve_rate_after": after, "steps": len(records),
-            "train_reward_first": records[0].reward_mean if records else None,
-            "train_reward_last": records[-1].reward_mean if records else None,
-            "engine_busy_fraction": engine_busy_during(own_dir / "perf") if owns_perf else None,
-            "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
-            "run_dir": str(run_dir), "final_model": str(final_dir)}
+                                **r.metrics}) + "\n")
 
 
 def save_final_model(trainer: PolicyTrainer, local_model: nnx.Module, directory: Path) -> Path:
