@@ -16,7 +16,6 @@ of token t. Column 0 is 0 (no state precedes a row's first token; it is never a 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +29,7 @@ from nonstop.rl.value_loss import value_loss
 from nonstop.train import (
     OptimizerConfig,
     TrainBatch,
-    TrainState,
-    build_optimizer,
-    build_schedule,
-    distributed,
-    make_train_step,
+    setup_train_step,
     target_mask,
 )
 
@@ -82,18 +77,11 @@ class Critic:
         self.aggregation = aggregation
         self.max_segments = max_segments
         self.max_len_norm = max_len_norm
-        tx = build_optimizer(optimizer)
-        self.state = TrainState.create(model, tx, rng=jax.random.key(seed))
-        sharded: dict[str, Any] = {}
-        out: dict[str, Any] = {}
-        if mesh is not None:  # laid out like the policy on the trainer's mesh
-            self.state, shardings = distributed.place_train_state(self.state, mesh)
-            rows = distributed.batch_sharding(mesh)
-            sharded = dict(state_shardings=shardings, batch_sharding=rows)
-            out = dict(out_shardings=rows)
-        self._step = make_train_step(self._loss, tx, learning_rate=build_schedule(optimizer),
-                                     grad_accum_steps=grad_accum_steps, **sharded)
-        self._values = jax.jit(self._value_pass, **out)
+        # Given the policy trainer's mesh, laid out on it as the policy is.
+        setup = setup_train_step(model, self._loss, optimizer, seed=seed,
+                                 grad_accum_steps=grad_accum_steps, mesh=mesh)
+        self.state, self._step = setup.state, setup.step
+        self._values = setup.jit_rows(self._value_pass)
 
     def _loss(self, model: ValueModel, vb: ValueBatch, rng: jax.Array):
         b = vb.batch

@@ -54,12 +54,9 @@ from nonstop.train import (
     PackingStats,
     TokenSequence,
     TrainBatch,
-    TrainState,
-    build_optimizer,
-    build_schedule,
     distributed,
-    make_train_step,
     pack_units,
+    setup_train_step,
     target_mask,
     token_logprobs,
 )
@@ -115,21 +112,13 @@ class PolicyTrainer:
         self.kl_in_reward = kl.enabled and kl.mode == "reward"
         self.needs_reference = kl.enabled
         self._check_processes()
-        self._schedule = build_schedule(cfg.optimizer)
-        optimizer = build_optimizer(cfg.optimizer)
-        wrt = nnx.LoRAParam if cfg.lora_only else nnx.Param
-        self.state = TrainState.create(model, optimizer, rng=jax.random.key(cfg.seed), wrt=wrt)
-        sharded: dict[str, Any] = {}
-        self._batch_sharding = None
-        if mesh is not None:
-            self.state, shardings = distributed.place_train_state(self.state, mesh)
-            self._batch_sharding = distributed.batch_sharding(mesh)
-            sharded = dict(state_shardings=shardings, batch_sharding=self._batch_sharding)
-        self._step = make_train_step(self._loss, optimizer, learning_rate=self._schedule,
-                                     grad_accum_steps=cfg.grad_accum_steps, **sharded)
-        rows_out = {} if mesh is None else {"out_shardings": self._batch_sharding}
-        self._logprobs = jax.jit(self._logprob_pass, **rows_out)
-        self._sequence_kl = jax.jit(self._sequence_kl_pass, **rows_out)
+        setup = setup_train_step(model, self._loss, cfg.optimizer, seed=cfg.seed,
+                                 wrt=nnx.LoRAParam if cfg.lora_only else nnx.Param,
+                                 grad_accum_steps=cfg.grad_accum_steps, mesh=mesh)
+        self.state, self._step = setup.state, setup.step
+        self._batch_sharding = setup.batch_sharding
+        self._logprobs = setup.jit_rows(self._logprob_pass)
+        self._sequence_kl = setup.jit_rows(self._sequence_kl_pass)
         self._reference_params = None
         if self.needs_reference:
             params = self.state.params
@@ -147,7 +136,7 @@ class PolicyTrainer:
                                  max_len_norm=loss.max_len_norm,
                                  grad_accum_steps=cfg.grad_accum_steps, seed=cfg.seed + 1,
                                  mesh=mesh)
-            self._gae = jax.jit(self._gae_pass, **rows_out)
+            self._gae = setup.jit_rows(self._gae_pass)
 
     def _check_processes(self) -> None:
         """Under `jax.distributed` each process trains on its own trajectories, in rows of the

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +59,9 @@ from nonstop.train import distributed
 from nonstop.train.batch import TrainBatch
 from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
 from nonstop.train.metrics import MetricsWriter
-from nonstop.train.optim import build_optimizer, build_schedule
+from nonstop.train.optim import build_optimizer
 from nonstop.train.state import TrainState
-from nonstop.train.step import LossFn, TrainStep, make_train_step
+from nonstop.train.step import LossFn, StepSetup, setup_train_step
 
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = "checkpoints"
@@ -78,21 +77,6 @@ class RunResult:
     last_metrics: dict[str, float] | None
     export_dir: str | None
     state: TrainState
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSetup:
-    """The jitted step and how to place the state and batches on the mesh."""
-
-    step: TrainStep
-    state: TrainState  # placed on the mesh
-    batch_sharding: NamedSharding | None
-
-    def put(self, batch: TrainBatch) -> TrainBatch:
-        """The global batch on the mesh; each process uploads only its own rows of it."""
-        if self.batch_sharding is None:
-            return batch
-        return distributed.global_batch_from_full(batch, self.batch_sharding)
 
 
 def load_tokenizer(cfg: SFTRunConfig, tokenizer: Tokenizer | None = None) -> Tokenizer:
@@ -180,17 +164,8 @@ def make_loss_fn(cfg: SFTRunConfig) -> LossFn:
 
 def setup_step(cfg: SFTRunConfig, state: TrainState, mesh: Mesh | None) -> StepSetup:
     """The jitted step for `cfg` and the state placed on `mesh` (unchanged without one)."""
-    optimizer = build_optimizer(cfg.optimizer)
-    kwargs: dict[str, Any] = {}
-    batch_sharding = None
-    if mesh is not None:
-        state, shardings = distributed.place_train_state(state, mesh)
-        batch_sharding = distributed.batch_sharding(mesh)
-        kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
-    step = make_train_step(make_loss_fn(cfg), optimizer,
-                           learning_rate=build_schedule(cfg.optimizer),
-                           grad_accum_steps=cfg.grad_accum_steps, **kwargs)
-    return StepSetup(step=step, state=state, batch_sharding=batch_sharding)
+    return setup_train_step(state, make_loss_fn(cfg), cfg.optimizer,
+                            grad_accum_steps=cfg.grad_accum_steps, mesh=mesh)
 
 
 def create_state(cfg: SFTRunConfig, model: nnx.Module) -> TrainState:

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.models.chat import ChatTemplate
@@ -72,9 +72,9 @@ from nonstop.sft.vision_data import (
 from nonstop.sft.vision_preference import read_vision_preference, vision_dpo_loss_fn
 from nonstop.train import distributed
 from nonstop.train.metrics import MetricsConfig, MetricsWriter
-from nonstop.train.optim import OptimizerConfig, build_optimizer, build_schedule
+from nonstop.train.optim import OptimizerConfig
 from nonstop.train.state import TrainState
-from nonstop.train.step import LossFn, TrainStep, make_train_step
+from nonstop.train.step import LossFn, StepSetup, setup_train_step
 
 VisionTask = Literal["sft", "dpo"]
 Dtype = Literal["float32", "bfloat16"]
@@ -254,39 +254,12 @@ def build_mesh(cfg: VisionTrainConfig) -> Mesh | None:
     return distributed.trainer_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
 
 
-@dataclasses.dataclass(frozen=True)
-class VisionStepSetup:
-    """The jitted step, the state placed on the mesh and how batches go there."""
-
-    step: TrainStep
-    state: TrainState
-    batch_sharding: NamedSharding | None  # leading axis over ("data", "fsdp"); None: no mesh
-
-    def put(self, batch: VisionBatch) -> VisionBatch:
-        """The global batch on the mesh; each process uploads only its own slice of each leaf.
-
-        Each leaf is split on its own leading axis: rows for the token arrays, images (in
-        `max_images` slots, not rows) for the image array."""
-        if self.batch_sharding is None:
-            return batch
-        return VisionBatch(*(distributed.global_batch_from_full(leaf, self.batch_sharding)
-                             for leaf in batch))
-
-
-def setup_step(cfg: VisionTrainConfig, state: TrainState, mesh: Mesh | None
-               ) -> VisionStepSetup:
+def setup_step(cfg: VisionTrainConfig, state: TrainState, mesh: Mesh | None) -> StepSetup:
     """The jitted step for `cfg`; with a mesh, the state sharded by its logical axes (every
-    process holds the same values and uploads its own shards)."""
-    optimizer = build_optimizer(cfg.optimizer)
-    kwargs: dict[str, TrainState | NamedSharding] = {}
-    batch_sharding = None
-    if mesh is not None:
-        state, shardings = distributed.place_train_state(state, mesh)
-        batch_sharding = distributed.batch_sharding(mesh)
-        kwargs = dict(state_shardings=shardings, batch_sharding=batch_sharding)
-    step = make_train_step(make_loss_fn(cfg), optimizer,
-                           learning_rate=build_schedule(cfg.optimizer), **kwargs)
-    return VisionStepSetup(step=step, state=state, batch_sharding=batch_sharding)
+    process holds the same values and uploads its own shards). `put` splits each leaf of a
+    `VisionBatch` on its own leading axis: rows for the token arrays, `max_images` slots for
+    the images."""
+    return setup_train_step(state, make_loss_fn(cfg), cfg.optimizer, mesh=mesh)
 
 
 def flops_per_example(model: Gemma3VLM) -> tuple[int, int]:
@@ -309,10 +282,9 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
     flops_per_token, flops_per_image = flops_per_example(model)
     with perf.span(perf.TRAIN_DATA_WAIT, what="read_examples"):
         examples = read_examples(cfg, model, tokenizer, processor)
-    state = TrainState.create(model, build_optimizer(cfg.optimizer),
-                              rng=jax.random.key(cfg.seed), wrt=nnx.LoRAParam)
+    setup = setup_train_step(model, make_loss_fn(cfg), cfg.optimizer, seed=cfg.seed,
+                             wrt=nnx.LoRAParam, mesh=mesh)
     del model
-    setup = setup_step(cfg, state, mesh)
     state = setup.state
     denominator = "pairs" if cfg.kind == "dpo" else "loss_tokens"
     rng = np.random.RandomState(cfg.seed)
@@ -384,6 +356,6 @@ def export_vision_model(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: Tex
     return directory
 
 
-__all__ = ["EXPORT_DIR", "VisionStepSetup", "VisionTrainConfig", "VisionTrainResult",
+__all__ = ["EXPORT_DIR", "VisionTrainConfig", "VisionTrainResult",
            "build_mesh", "build_vision_model", "export_vision_model", "load_vision_tokenizer",
            "merge_vision_adapters", "setup_step", "train_vision"]

@@ -18,7 +18,7 @@ from nonstop.train.packing import (
 )
 from nonstop.train.progress import ProgressBar
 from nonstop.train.state import TrainState, state_shardings
-from nonstop.train.step import LossFn, TrainStep, make_train_step
+from nonstop.train.step import LossFn, StepSetup, TrainStep, make_train_step, setup_train_step
 
 __all__ = [
     "BatchPacker",
@@ -35,6 +35,7 @@ __all__ = [
     "PackingStats",
     "ProgressBar",
     "Restored",
+    "StepSetup",
     "TokenSequence",
     "TrainBatch",
     "TrainState",
@@ -44,6 +45,7 @@ __all__ = [
     "make_train_step",
     "pack_units",
     "read_jsonl",
+    "setup_train_step",
     "state_shardings",
     "target_mask",
     "token_logprobs",

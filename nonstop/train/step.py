@@ -16,25 +16,34 @@ axis stays evenly spread over devices in every micro-batch.
 `aux_metrics` (a dict of scalars) is averaged over micro-batches. The step returns device scalars
 — loss, grad_norm (before clipping), learning_rate, tokens (the summed denominator) and the aux
 metrics — and never logs or syncs; converting them is `MetricsWriter`'s job.
+
+`setup_train_step` is how every trainer gets its step: from an optimizer config and a model (or
+a `TrainState` it already made) it builds the optimizer and schedule, the state, places it on the
+mesh by its logical axes and jits the step with matching shardings. The `StepSetup` it returns
+also puts batches on the mesh and jits the trainer's other row-sharded forward passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nonstop.train import distributed
+from nonstop.train.optim import OptimizerConfig, build_optimizer, build_schedule
 from nonstop.train.state import TrainState
 
 PyTree = Any
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, PyTree, jax.Array], tuple[jax.Array, jax.Array, Metrics]]
 TrainStep = Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]
+Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
 def make_train_step(
@@ -137,6 +146,87 @@ def make_train_step(
         jit_kwargs["in_shardings"] = (state_shardings, batch_sharding)
         jit_kwargs["out_shardings"] = (state_shardings, replicated)
     return jax.jit(step, **jit_kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """A trainer's jitted step, its state (placed on the mesh) and the layout of its batches.
+
+    `batch_sharding` splits a batch's leading axis over the mesh's ("data", "fsdp") devices; None
+    means no mesh (one device), where `put` and `jit_rows` add nothing.
+    """
+
+    step: TrainStep
+    state: TrainState
+    batch_sharding: NamedSharding | None
+
+    def put(self, batch: PyTree) -> PyTree:
+        """A batch that every process holds whole, on the mesh; each process uploads only its
+        own part. Each leaf is split on its own leading axis (rows for token arrays, image slots
+        for an image array), so leaves need not share it."""
+        if self.batch_sharding is None:
+            return batch
+        sharding = self.batch_sharding
+        return jax.tree.map(lambda leaf: distributed.global_batch_from_full(leaf, sharding), batch)
+
+    def jit_rows(self, fn: Fn) -> Fn:
+        """`jax.jit(fn)` for a forward pass over a batch whose outputs are [B, ...] arrays: on a
+        mesh they come back split by rows like the batch, ready for the next step's inputs."""
+        if self.batch_sharding is None:
+            return jax.jit(fn)
+        return jax.jit(fn, out_shardings=self.batch_sharding)
+
+
+def setup_train_step(
+    model_or_state: nnx.Module | TrainState,
+    loss_fn: LossFn,
+    optimizer: OptimizerConfig,
+    *,
+    seed: int | None = None,
+    wrt: nnx.filterlib.Filter | None = None,
+    grad_accum_steps: int = 1,
+    mesh: Mesh | None = None,
+) -> StepSetup:
+    """The donated step of `loss_fn` under `optimizer` (its update rule and schedule), with its
+    state placed on `mesh` by the variables' logical axes (`distributed.place_train_state`).
+
+    Given a model, the state is made here: the `wrt` parameters (default `nnx.Param`) train, from
+    `jax.random.key(seed)`. Given a `TrainState` (one made, or restored, beforehand), it is
+    placed as it is; `seed` and `wrt` then belong to whoever made it. Without a mesh the state
+    stays where it is and the step is jitted without shardings. Every process of a multi-process
+    job passes identical values.
+    """
+    tx = build_optimizer(optimizer)
+    if isinstance(model_or_state, TrainState):
+        if seed is not None or wrt is not None:
+            raise ValueError(
+                "setup_train_step was given a TrainState and "
+                f"seed={seed!r}, wrt={wrt!r}; a state already has its RNG and trainable split: "
+                "pass the model instead, or leave seed and wrt out"
+            )
+        state = model_or_state
+    else:
+        if seed is None:
+            raise ValueError(
+                "setup_train_step was given a model but no seed; pass seed=<int> (the key the "
+                "state's RNG starts from)"
+            )
+        wrt = nnx.Param if wrt is None else wrt
+        state = TrainState.create(model_or_state, tx, rng=jax.random.key(seed), wrt=wrt)
+    sharded: dict[str, Any] = {}
+    batch_sharding = None
+    if mesh is not None:
+        state, shardings = distributed.place_train_state(state, mesh)
+        batch_sharding = distributed.batch_sharding(mesh)
+        sharded = dict(state_shardings=shardings, batch_sharding=batch_sharding)
+    step = make_train_step(
+        loss_fn,
+        tx,
+        learning_rate=build_schedule(optimizer),
+        grad_accum_steps=grad_accum_steps,
+        **sharded,
+    )
+    return StepSetup(step=step, state=state, batch_sharding=batch_sharding)
 
 
 def _split_micro_batches(batch: PyTree, k: int) -> PyTree:

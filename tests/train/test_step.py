@@ -1,5 +1,7 @@
 """The jitted train step: wiring against plain jax.grad, exact gradient accumulation, an 8-device
-FSDP x TP sharded step equal to the unsharded one, donation, `wrt` filters and float32 masters."""
+FSDP x TP sharded step equal to the unsharded one, donation, `wrt` filters and float32 masters;
+`setup_train_step` equal to a hand-built step, and its state, batches and forward passes placed
+on an 8-device mesh by logical axes."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nonstop.models.sharding import make_mesh
 from nonstop.train.optim import OptimizerConfig, build_optimizer, build_schedule
 from nonstop.train.state import TrainState, state_shardings
-from nonstop.train.step import make_train_step
+from nonstop.train.step import make_train_step, setup_train_step
 
 V, D, F = 37, 14, 20  # D divisible by fsdp=2, F by tp=4; V prime
 B, T = 8, 11
@@ -219,3 +222,95 @@ def test_sharded_step_on_8_devices_equals_unsharded(adamw_steps):
     mu = sharded.opt_state[1][0].mu
     assert mu["mlp_out"][...].sharding.spec == PartitionSpec("tp", "fsdp")
     assert sharded.opt_state[1][0].count.sharding.spec == PartitionSpec()
+
+
+# The logical axes the trainers' models carry; on the (1, 2, 4) mesh they give the same layout as
+# TinyLM's sharding names (V=37 is not divisible by tp=4, so the vocabulary stays replicated).
+LOGICAL_AXES = {
+    "embed": ("vocab", "embed"),
+    "mlp_in": ("embed", "mlp"),
+    "mlp_bias": ("mlp",),
+    "mlp_out": ("mlp", "embed"),
+    "unembed": ("embed", "vocab"),
+}
+
+
+def logical_tiny_lm() -> TinyLM:
+    model = TinyLM()
+    for name, axes in LOGICAL_AXES.items():
+        setattr(model, name, nnx.Param(getattr(model, name)[...], logical_axes=axes))
+    return model
+
+
+def test_setup_train_step_equals_a_hand_built_step(adamw_steps):
+    setup = setup_train_step(TinyLM(), lm_loss, ADAMW, seed=1, grad_accum_steps=4)
+    assert setup.batch_sharding is None
+    state, ref = setup.state, fresh_state()
+    first_params = jax.tree.leaves(state.params)
+    for i in range(2):
+        batch = make_batch(30 + i)
+        assert setup.put(batch) is batch  # no mesh: batches stay where they are
+        state, metrics = setup.step(state, batch)
+        ref, ref_metrics = adamw_steps[4](ref, batch)
+
+    # Same optimizer, schedule, RNG and accumulation: bit for bit the hand-built step.
+    got = (state.params, state.opt_state, state.step, jax.random.key_data(state.rng), metrics)
+    want = (ref.params, ref.opt_state, ref.step, jax.random.key_data(ref.rng), ref_metrics)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(leaves(got), leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert all(x.is_deleted() for x in first_params)  # donated
+
+
+def test_setup_train_step_trains_only_wrt_and_checks_its_arguments():
+    cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant")
+    only_out = nnx.All(nnx.Param, nnx.PathContains("mlp_out"))
+    setup = setup_train_step(TinyLM(), lm_loss, cfg, seed=0, wrt=only_out)
+    assert set(nnx.to_pure_dict(setup.state.params)) == {"mlp_out"}
+
+    with pytest.raises(ValueError, match="no seed"):
+        setup_train_step(TinyLM(), lm_loss, cfg)
+    with pytest.raises(ValueError, match="given a TrainState"):
+        setup_train_step(fresh_state(cfg), lm_loss, cfg, seed=0)
+
+
+def test_setup_train_step_places_state_batches_and_forward_passes_on_8_devices(adamw_steps):
+    if len(jax.devices()) < 8:
+        pytest.skip(
+            "needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+            "before jax initialises (tests/conftest.py does)"
+        )
+    mesh = make_mesh(data=1, fsdp=2, tp=4, devices=jax.devices()[:8])
+    setup = setup_train_step(
+        logical_tiny_lm(), lm_loss, ADAMW, seed=1, grad_accum_steps=4, mesh=mesh
+    )
+    rows = PartitionSpec(("data", "fsdp"))
+    assert setup.batch_sharding == NamedSharding(mesh, rows)
+    params = setup.state.params
+    assert params["mlp_in"][...].sharding.spec == PartitionSpec("fsdp", "tp")
+    assert len(params["mlp_in"][...].addressable_shards) == 8
+    assert params["embed"][...].sharding.spec == PartitionSpec(None, "fsdp")
+    assert setup.state.opt_state[1][0].mu["mlp_out"][...].sharding.spec == PartitionSpec(
+        "tp", "fsdp"
+    )
+
+    # Each leaf is split on its own leading axis (the vision trainer's image slots).
+    placed = setup.put({**make_batch(40), "images": np.zeros((2, 3), np.float32)})
+    assert placed["tokens"].sharding.spec == rows
+    assert placed["images"].sharding.spec == rows and placed["images"].shape == (2, 3)
+
+    graphdef = setup.state.graphdef
+    logits = setup.jit_rows(lambda p, f, b: nnx.merge(graphdef, p, f)(b["tokens"]))
+    out = logits(setup.state.params, setup.state.frozen, placed)
+    assert out.sharding.spec == rows
+    np.testing.assert_allclose(out, fresh_state().model()(make_batch(40)["tokens"]), atol=1e-5)
+
+    state, ref = setup.state, fresh_state()
+    for i in range(3):
+        batch = make_batch(20 + i)
+        state, metrics = setup.step(state, setup.put(batch))
+        ref, ref_metrics = adamw_steps[4](ref, batch)
+    assert_trees_close(state.params, ref.params, atol=1e-5)
+    assert_trees_close(state.opt_state, ref.opt_state, atol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    assert state.params["mlp_out"][...].sharding.spec == PartitionSpec("tp", "fsdp")
