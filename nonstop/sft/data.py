@@ -37,6 +37,7 @@ import numpy as np
 from nonstop.models.chat_templates import CHAT_FORMATS, ChatFormat
 from nonstop.models.conversation import Conversation
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.validation import check, check_choice, check_int
 from nonstop.sft.datasets import SourceRecord, open_source
 from nonstop.train.packing import BatchPacker, PackedBatch, PackingConfig, PackUnit, TokenSequence
 
@@ -72,24 +73,21 @@ class DataConfig:
         if isinstance(self.paths, str):
             object.__setattr__(self, "paths", (self.paths,))
         object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
-        if not self.paths:
-            raise ValueError("DataConfig.paths must name at least one .jsonl or .parquet file")
-        if self.kind not in EXAMPLE_KINDS:
-            raise ValueError(f"DataConfig.kind must be one of {EXAMPLE_KINDS}, got {self.kind!r}")
-        if self.chat_template is not None and self.chat_template not in CHAT_FORMATS:
-            raise ValueError(
-                f"DataConfig.chat_template must be None (the tokenizer's template) or one of "
-                f"{CHAT_FORMATS}, got {self.chat_template!r}"
-            )
-        if self.num_epochs is not None and self.num_epochs < 1:
-            raise ValueError(f"DataConfig.num_epochs must be >= 1 or None, got {self.num_epochs}")
-        if self.read_threads < 0:
-            raise ValueError(f"DataConfig.read_threads must be >= 0, got {self.read_threads}")
-        if self.kind == "preference" and self.packing.max_segments_per_row % 2:
-            raise ValueError(
-                "DataConfig.packing.max_segments_per_row must be even for kind='preference' "
-                f"(chosen and rejected share a row), got {self.packing.max_segments_per_row}"
-            )
+        owner = "DataConfig"
+        check(bool(self.paths), owner, "paths", self.paths, "at least one .jsonl or .parquet file")
+        check_choice(owner, "kind", self.kind, EXAMPLE_KINDS)
+        check(self.chat_template is None or self.chat_template in CHAT_FORMATS, owner,
+              "chat_template", self.chat_template, "None (the tokenizer's own template) or one of "
+              + ", ".join(map(repr, CHAT_FORMATS)))
+        epochs = self.num_epochs
+        check(epochs is None or (isinstance(epochs, int) and not isinstance(epochs, bool)
+                                 and epochs >= 1),
+              owner, "num_epochs", epochs, "None (repeat forever) or an int >= 1")
+        check_int(owner, "read_threads", self.read_threads, low=0)
+        segments = self.packing.max_segments_per_row
+        check(self.kind != "preference" or segments % 2 == 0, owner,
+              "packing.max_segments_per_row", segments,
+              "an even number for kind='preference' (chosen and rejected share a row)")
 
 
 def _field(record: SourceRecord, name: str, setting: str, kind: str, types: type | tuple) -> Any:

@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nonstop.models.validation import check, check_choice
 from nonstop.train.batch import target_mask
 from nonstop.train.logprobs import token_logprobs
 
@@ -135,21 +136,14 @@ class DPOConfig:
     reference_free: bool = False
 
     def __post_init__(self) -> None:
-        if self.loss_type not in ("sigmoid", "ipo", "hinge"):
-            raise ValueError(
-                f"DPOConfig.loss_type must be 'sigmoid', 'ipo' or 'hinge', got {self.loss_type!r}"
-            )
-        if not self.beta > 0:
-            raise ValueError(f"DPOConfig.beta must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(
-                f"DPOConfig.label_smoothing must be in [0, 0.5), got {self.label_smoothing}"
-            )
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError(
-                f"DPOConfig.label_smoothing={self.label_smoothing} is only defined for "
-                f"loss_type='sigmoid' (cDPO), not {self.loss_type!r}; set it to 0.0"
-            )
+        owner = "DPOConfig"
+        check_choice(owner, "loss_type", self.loss_type, ("sigmoid", "ipo", "hinge"))
+        check(self.beta > 0, owner, "beta", self.beta, "a float > 0")
+        check(0.0 <= self.label_smoothing < 0.5, owner, "label_smoothing", self.label_smoothing,
+              "a float in [0, 0.5)")
+        check(not self.label_smoothing or self.loss_type == "sigmoid", owner, "label_smoothing",
+              self.label_smoothing, f"0.0 with loss_type={self.loss_type!r} (label smoothing, "
+              "cDPO, is only defined for loss_type='sigmoid')")
 
 
 class DPOMetrics(NamedTuple):
@@ -217,8 +211,7 @@ class ORPOConfig:
     lam: float = 0.1
 
     def __post_init__(self) -> None:
-        if not self.lam >= 0:
-            raise ValueError(f"ORPOConfig.lam must be >= 0, got {self.lam}")
+        check(self.lam >= 0, "ORPOConfig", "lam", self.lam, "a float >= 0")
 
 
 class ORPOLoss(NamedTuple):

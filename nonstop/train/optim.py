@@ -17,10 +17,12 @@ parameters, so moments are float32 even when the model computes in bfloat16.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import jax
 import optax
+
+from nonstop.models.validation import check, check_choice, check_int
 
 OptimizerName = Literal["adamw", "sgd", "adafactor"]
 ScheduleName = Literal["constant", "cosine", "linear"]
@@ -49,30 +51,22 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
-        _check_choice("name", self.name, OptimizerName)
-        _check_choice("schedule", self.schedule, ScheduleName)
-        _check_choice("weight_decay_mask", self.weight_decay_mask, WeightDecayMask)
-        if not self.learning_rate > 0:
-            _fail("learning_rate", self.learning_rate, "a float > 0")
-        if not self.weight_decay >= 0:
-            _fail("weight_decay", self.weight_decay, "a float >= 0")
-        if not 0 <= self.b1 < 1:
-            _fail("b1", self.b1, "a float in [0, 1)")
-        if not 0 <= self.b2 < 1:
-            _fail("b2", self.b2, "a float in [0, 1)")
-        if not self.eps > 0:
-            _fail("eps", self.eps, "a float > 0")
-        if self.total_steps < 1:
-            _fail("total_steps", self.total_steps, "an int >= 1")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            _fail(
-                "warmup_steps", self.warmup_steps, f"an int in [0, total_steps={self.total_steps}]"
-            )
-        if not 0 <= self.min_lr_ratio <= 1:
-            _fail("min_lr_ratio", self.min_lr_ratio, "a float in [0, 1]")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            _fail("max_grad_norm", self.max_grad_norm, "None (no clipping) or a float > 0")
-
+        owner = "OptimizerConfig"
+        check_choice(owner, "name", self.name, OptimizerName)
+        check_choice(owner, "schedule", self.schedule, ScheduleName)
+        check_choice(owner, "weight_decay_mask", self.weight_decay_mask, WeightDecayMask)
+        check(self.learning_rate > 0, owner, "learning_rate", self.learning_rate, "a float > 0")
+        check(self.weight_decay >= 0, owner, "weight_decay", self.weight_decay, "a float >= 0")
+        check(0 <= self.b1 < 1, owner, "b1", self.b1, "a float in [0, 1)")
+        check(0 <= self.b2 < 1, owner, "b2", self.b2, "a float in [0, 1)")
+        check(self.eps > 0, owner, "eps", self.eps, "a float > 0")
+        check_int(owner, "total_steps", self.total_steps)
+        check(0 <= self.warmup_steps <= self.total_steps, owner, "warmup_steps", self.warmup_steps,
+              f"an int in [0, total_steps={self.total_steps}]")
+        check(0 <= self.min_lr_ratio <= 1, owner, "min_lr_ratio", self.min_lr_ratio,
+              "a float in [0, 1]")
+        check(self.max_grad_norm is None or self.max_grad_norm > 0, owner, "max_grad_norm",
+              self.max_grad_norm, "None (no clipping) or a float > 0")
 
 def build_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """The learning rate as a function of the optimizer step (linear warmup, then decay)."""
@@ -123,12 +117,3 @@ def _decay_mask(kind: WeightDecayMask) -> Any:
         return None
     return lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
 
-
-def _check_choice(field: str, value: object, choices: Any) -> None:
-    valid = get_args(choices)
-    if value not in valid:
-        _fail(field, value, f"one of {valid}")
-
-
-def _fail(field: str, value: object, valid: str) -> None:
-    raise ValueError(f"OptimizerConfig.{field}={value!r} is invalid; expected {valid}")

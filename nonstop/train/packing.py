@@ -29,6 +29,7 @@ from typing import Literal
 
 import numpy as np
 
+from nonstop.models.validation import check, check_choice, check_int
 from nonstop.train.batch import TrainBatch
 
 _FLOAT_FIELDS = ("advantages", "behavior_logprobs", "ref_logprobs", "old_logprobs")
@@ -91,28 +92,18 @@ class PackingConfig:
     max_segments_per_row: int = 64  # static bound for per-sequence reductions ([B,M] arrays)
 
     def __post_init__(self) -> None:
+        owner = "PackingConfig"
         buckets = tuple(self.buckets)
-        if not buckets or any(not isinstance(b, int) or b < 2 for b in buckets):
-            raise ValueError(f"PackingConfig.buckets must be integers >= 2, got {self.buckets!r}")
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError(
-                f"PackingConfig.buckets must be strictly increasing, got {self.buckets!r}"
-            )
+        check(bool(buckets) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 2
+                                    for b in buckets),
+              owner, "buckets", self.buckets, "a non-empty list of ints >= 2")
+        check(list(buckets) == sorted(set(buckets)), owner, "buckets", self.buckets,
+              f"strictly increasing lengths, e.g. {sorted(set(buckets))}")
         object.__setattr__(self, "buckets", buckets)
-        if self.rows_per_batch < 1:
-            raise ValueError(
-                f"PackingConfig.rows_per_batch must be >= 1, got {self.rows_per_batch}"
-            )
-        if self.mode not in ("pack", "pad"):
-            raise ValueError(f"PackingConfig.mode must be 'pack' or 'pad', got {self.mode!r}")
-        if self.overlong not in ("error", "truncate"):
-            raise ValueError(
-                f"PackingConfig.overlong must be 'error' or 'truncate', got {self.overlong!r}"
-            )
-        if self.max_segments_per_row < 1:
-            raise ValueError(
-                f"PackingConfig.max_segments_per_row must be >= 1, got {self.max_segments_per_row}"
-            )
+        check_int(owner, "rows_per_batch", self.rows_per_batch)
+        check_choice(owner, "mode", self.mode, ("pack", "pad"))
+        check_choice(owner, "overlong", self.overlong, ("error", "truncate"))
+        check_int(owner, "max_segments_per_row", self.max_segments_per_row)
 
     @property
     def max_length(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.validation import ConfigError
 from nonstop.sft.data import DataConfig, ExampleEncoder, make_dataset
 from nonstop.sft.datasets import JsonlSource, ParquetSource, SourceRecord, open_source
 from nonstop.train.packing import PackingConfig
@@ -137,15 +138,19 @@ def test_missing_or_mistyped_field_names_record_and_choices(tokenizer):
 
 
 def test_data_config_errors():
-    with pytest.raises(ValueError, match=r"DataConfig\.kind must be one of .*'chat'.*got 'dpo'"):
+    with pytest.raises(ConfigError, match=r"^DataConfig\.kind='dpo' is invalid; expected one of "
+                                          r".*'chat'"):
         DataConfig(paths=("x.jsonl",), kind="dpo")
-    with pytest.raises(ValueError, match="max_segments_per_row must be even"):
+    with pytest.raises(ConfigError, match=r"^DataConfig\.packing\.max_segments_per_row=5 is "
+                                          r"invalid; expected an even number"):
         DataConfig(
             paths=("x.jsonl",), kind="preference", packing=PackingConfig(max_segments_per_row=5)
         )
-    with pytest.raises(ValueError, match="num_epochs must be >= 1 or None, got 0"):
+    with pytest.raises(ConfigError, match=r"^DataConfig\.num_epochs=0 is invalid; expected None "
+                                          r".* or an int >= 1"):
         DataConfig(paths=("x.jsonl",), num_epochs=0)
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ConfigError, match=r"^DataConfig\.paths=\(\) is invalid; expected at "
+                                          r"least one"):
         DataConfig(paths=())
 
 

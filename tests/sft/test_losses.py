@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nonstop.models.validation import ConfigError
 from nonstop.sft.losses import (
     DPOConfig,
     PairLogprobs,
@@ -200,11 +201,13 @@ def test_dpo_reference_mismatch_and_config_errors():
         dpo_loss(POLICY, REFERENCE, DPOConfig(reference_free=True))
     with pytest.raises(ValueError, match="reference_free=False"):
         dpo_loss(POLICY, None, DPOConfig())
-    with pytest.raises(ValueError, match="label_smoothing=0.1 is only defined"):
+    with pytest.raises(ConfigError, match=r"^DPOConfig\.label_smoothing=0\.1 is invalid; expected "
+                                          r"0\.0 with loss_type='ipo'"):
         DPOConfig(loss_type="ipo", label_smoothing=0.1)
-    with pytest.raises(ValueError, match="loss_type must be"):
+    with pytest.raises(ConfigError, match=r"^DPOConfig\.loss_type='kto' is invalid; expected one "
+                                          r"of 'sigmoid', 'ipo', 'hinge'"):
         DPOConfig(loss_type="kto")
-    with pytest.raises(ValueError, match="beta must be > 0"):
+    with pytest.raises(ConfigError, match=r"^DPOConfig\.beta=0\.0 is invalid; expected a float > 0"):
         DPOConfig(beta=0.0)
 
 

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nonstop.models.validation import ConfigError
 from nonstop.sft.losses import preference_pairs, sequence_logprobs
 from nonstop.train.batch import TrainBatch, target_mask
 from nonstop.train.packing import (
@@ -205,13 +206,17 @@ def test_train_batch_target_mask_and_shape_check():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"buckets": (16, 8)}, "strictly increasing"),
-        ({"buckets": ()}, "buckets must be"),
-        ({"rows_per_batch": 0}, "rows_per_batch"),
-        ({"mode": "stack"}, "mode must be 'pack' or 'pad', got 'stack'"),
-        ({"overlong": "drop"}, "overlong must be 'error' or 'truncate', got 'drop'"),
+        ({"buckets": (16, 8)},
+         r"^PackingConfig\.buckets=\(16, 8\) is invalid; expected strictly increasing lengths, "
+         r"e\.g\. \[8, 16\]"),
+        ({"buckets": ()}, r"^PackingConfig\.buckets=\(\) is invalid; expected a non-empty list"),
+        ({"rows_per_batch": 0},
+         r"^PackingConfig\.rows_per_batch=0 is invalid; expected an int >= 1"),
+        ({"mode": "stack"}, r"^PackingConfig\.mode='stack' is invalid; expected one of 'pack', 'pad'"),
+        ({"overlong": "drop"},
+         r"^PackingConfig\.overlong='drop' is invalid; expected one of 'error', 'truncate'"),
     ],
 )
 def test_config_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         PackingConfig(**kwargs)
