@@ -11,12 +11,14 @@ the scales stay float32 (0.5 extra bits per weight instead of ~0.127).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import Array
+
+from nonstop.models.validation import check, check_choice
 
 QuantKind = Literal["nf4", "int8"]
 
@@ -40,13 +42,10 @@ class QuantConfig:
                                 "down_proj")
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(QuantKind):
-            raise ValueError(f"quantization kind {self.kind!r} is not supported; "
-                             f"use one of {get_args(QuantKind)}")
-        unknown = set(self.targets) - set(PROJECTIONS)
-        if unknown:
-            raise ValueError(f"quantization targets {sorted(unknown)} are not projections; "
-                             f"valid targets: {sorted(PROJECTIONS)}")
+        check_choice("QuantConfig", "kind", self.kind, QuantKind)
+        unknown = sorted(set(self.targets) - set(PROJECTIONS))
+        check(not unknown, "QuantConfig", "targets", self.targets,
+              f"projection names from {sorted(PROJECTIONS)} ({unknown} are not projections)")
 
 
 # Projection name -> (owning submodule of a block, number of leading input axes).

@@ -112,5 +112,6 @@ def test_config_errors_name_the_problem():
         LoRAConfig(rank=0)
     with pytest.raises(ValueError, match=r"lora targets \['wq'\]"):
         LoRAConfig(targets=("wq",))
-    with pytest.raises(ValueError, match="quantization kind 'fp3'"):
+    with pytest.raises(ValueError, match=r"^QuantConfig\.kind='fp3' is invalid; expected one of "
+                                         r"'nf4', 'int8'"):
         QuantConfig(kind="fp3")
