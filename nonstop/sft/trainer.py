@@ -37,11 +37,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from nonstop import perf
-from nonstop.models.checkpoint import load_pretrained, save_pretrained
-from nonstop.models.config import ModelConfig
-from nonstop.models.decoder import init_decoder
+from nonstop.models.checkpoint import save_pretrained
 from nonstop.models.lora import apply_lora, has_lora, merge_lora
 from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, quantize_model
+from nonstop.models.source import build_model, build_tokenizer
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.sft import reference as ref_cache
 from nonstop.sft.config import SFTRunConfig
@@ -57,7 +56,7 @@ from nonstop.sft.preference import (
 )
 from nonstop.train import distributed
 from nonstop.train.batch import TrainBatch
-from nonstop.train.checkpoint import CheckpointConfig, Checkpointer
+from nonstop.train.checkpoint import Checkpointer
 from nonstop.train.metrics import MetricsWriter
 from nonstop.train.optim import build_optimizer
 from nonstop.train.state import TrainState
@@ -80,14 +79,8 @@ class RunResult:
 
 
 def load_tokenizer(cfg: SFTRunConfig, tokenizer: Tokenizer | None = None) -> Tokenizer:
-    if tokenizer is not None:
-        return tokenizer
-    if cfg.tokenizer.kind == "char":
-        raise ValueError(
-            "tokenizer.kind='char' is built by nonstop.recipes (sft_data.prepare_run); "
-            "pass tokenizer= to train() or run through the nonstop CLI"
-        )
-    return Tokenizer.from_pretrained(cfg.tokenizer.path or cfg.model.path)
+    """`tokenizer` if given, else the one `cfg.tokenizer` names."""
+    return tokenizer if tokenizer is not None else build_tokenizer(cfg.tokenizer, cfg.model)
 
 
 def compute_dtype(cfg: SFTRunConfig) -> jnp.dtype:
@@ -99,33 +92,14 @@ def build_mesh(cfg: SFTRunConfig) -> Mesh | None:
     return distributed.trainer_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, tp=cfg.mesh.tp)
 
 
-def model_config(cfg: SFTRunConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The architecture of a randomly initialised model (preset or tiny)."""
-    special = dict(bos_token_id=tokenizer.bos_id, eos_token_ids=tokenizer.eos_ids,
-                   pad_token_id=tokenizer.pad_id)
-    if cfg.model.kind == "preset":
-        preset = ModelConfig.preset(cfg.model.preset)
-        return preset.replace(**cfg.model.tiny_overrides())
-    overrides = {"vocab_size": tokenizer.vocab_size, **special, **cfg.model.tiny_overrides()}
-    return ModelConfig.tiny(cfg.model.family, **overrides)
-
-
-def build_model(cfg: SFTRunConfig, tokenizer: Tokenizer, mesh: Mesh | None = None) -> nnx.Module:
+def build_train_model(cfg: SFTRunConfig, tokenizer: Tokenizer, mesh: Mesh | None = None
+                      ) -> nnx.Module:
     """The model to train: base weights, then quantization and LoRA adapters if configured."""
     dtype = compute_dtype(cfg)
     full = cfg.lora is None
-    if cfg.model.kind == "checkpoint":
-        # Full fine-tuning keeps a float32 master copy anyway; a frozen base stays in `dtype`.
-        model = load_pretrained(cfg.model.path, dtype=dtype,
-                                param_dtype=jnp.float32 if full else dtype, mesh=mesh)
-    else:
-        model = init_decoder(model_config(cfg, tokenizer), seed=cfg.seed, dtype=dtype,
-                             param_dtype=jnp.float32 if full else dtype)
-    if model.cfg.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model's embedding table only "
-            f"{model.cfg.vocab_size}; use the checkpoint's own tokenizer"
-        )
+    # Full fine-tuning keeps a float32 master copy anyway; a frozen base stays in `dtype`.
+    model = build_model(cfg.model, tokenizer, seed=cfg.seed, dtype=dtype,
+                        param_dtype=jnp.float32 if full else dtype, mesh=mesh)
     if cfg.quantization is not None:
         model = quantize_model(model, cfg.quantization)
     if cfg.lora is not None:
@@ -256,7 +230,7 @@ def train(
 def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], None] | None
            ) -> RunResult:
     mesh = build_mesh(cfg)
-    model = build_model(cfg, tokenizer, mesh)
+    model = build_train_model(cfg, tokenizer, mesh)
     setup = setup_step(cfg, create_state(cfg, model), mesh)
     cache = None
     if _uses_precomputed_reference(cfg):
@@ -265,9 +239,7 @@ def _train(cfg: SFTRunConfig, tokenizer: Tokenizer, on_step: Callable[[int], Non
     flops_per_token = 6 * policy_of(model).cfg.num_params()
     del model
 
-    checkpointer = Checkpointer(CheckpointConfig(
-        directory=os.path.join(cfg.run_dir, CHECKPOINT_DIR), save_every=cfg.checkpoint.save_every,
-        keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save))
+    checkpointer = Checkpointer(cfg.checkpoint.in_run(cfg.run_dir, CHECKPOINT_DIR))
     state, start = setup.state, 0
     restored = checkpointer.restore(state)
     if restored is not None:

@@ -56,9 +56,9 @@ from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM
+from nonstop.models.sharding import MeshShape
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.vision import VISION_LORA_TARGETS, apply_vision_lora, merge_vision_lora
-from nonstop.sft.config import MeshSettings
 from nonstop.sft.losses import DPOConfig
 from nonstop.sft.vision_data import (
     TextEncoder,
@@ -103,7 +103,7 @@ class VisionTrainConfig:
     vision_lora: bool = False  # also adapt the vision tower's attention (q, k, v, o)
     dpo: DPOConfig = DPOConfig()
     metrics: MetricsConfig = MetricsConfig()
-    mesh: MeshSettings = MeshSettings()  # data x fsdp x tp devices; the default is one device
+    mesh: MeshShape = MeshShape()  # data x fsdp x tp devices; the default is one device
     seed: int = 0
     export: bool = True  # merge the adapters and save_pretrained into RUN_DIR/export
 
