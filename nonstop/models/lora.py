@@ -4,9 +4,9 @@
 `LoRAWeight` holding W (frozen; a plain or quantized weight, so QLoRA is LoRA over
 `quantize_model`) and two `nnx.LoRAParam`s A [*in, r] and B [r, *out], B zero-initialised so the
 adapted model starts equal to the base. The forward is x·W + (alpha/r)·dropout(x)·A·B; only the
-LoRAParams train (`TrainState.create(..., wrt=nnx.LoRAParam)`), and `merge_lora` folds them
-into plain weights for export. Layers call `project(x, weight, n_in)` and never know which
-kind of weight they hold.
+LoRAParams train (`TrainState.create(..., wrt=nnx.LoRAParam)`), `merge_lora` folds them
+into plain weights for export and `strip_lora` drops them, leaving the base. Layers call
+`project(x, weight, n_in)` and never know which kind of weight they hold.
 """
 
 from __future__ import annotations
@@ -126,6 +126,15 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
         merged = weight_value(base, jnp.float32) + weight.delta(jnp.float32)
         axes = getattr(base, "logical_axes", None)
         setattr(owner, name, nnx.Param(merged.astype(dtype), logical_axes=axes))
+    return model
+
+
+def strip_lora(model: nnx.Module) -> nnx.Module:
+    """Replace every adapter by the weight it wraps (in place): the model LoRA was applied to."""
+    for owner, name, _ in _targets(model, tuple(PROJECTIONS)):
+        weight = getattr(owner, name)
+        if isinstance(weight, LoRAWeight):
+            setattr(owner, name, weight.base)
     return model
 
 
