@@ -47,6 +47,7 @@ import weakref
 from typing import Literal
 
 from nonstop import perf
+from nonstop.models.validation import check, check_int, check_ints
 
 KilledReason = Literal["timeout", "cpu_limit", "output_limit", "signal"]
 # Exit status the child uses when it cannot set up a guard the config requires.
@@ -70,18 +71,13 @@ class SandboxConfig:
     scratch_root: str | None = None  # where scratch dirs are made; None: the system temp dir
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_s", "memory_mb", "max_file_mb", "max_output_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.kill_output_bytes < 2 * self.max_output_bytes:
-            raise ValueError(
-                f"SandboxConfig.kill_output_bytes must be >= 2 * max_output_bytes "
-                f"({2 * self.max_output_bytes}), got {self.kill_output_bytes}"
-            )
-        if self.max_concurrency < 1:
-            raise ValueError(
-                f"SandboxConfig.max_concurrency must be >= 1, got {self.max_concurrency}"
-            )
+        owner = "SandboxConfig"
+        check(self.timeout_s > 0, owner, "timeout_s", self.timeout_s, "a number of seconds > 0")
+        check_ints(owner, self, ("cpu_s", "memory_mb", "max_file_mb", "max_output_bytes"))
+        check(self.kill_output_bytes >= 2 * self.max_output_bytes, owner, "kill_output_bytes",
+              self.kill_output_bytes,
+              f"an int >= 2 * max_output_bytes = {2 * self.max_output_bytes}")
+        check_int(owner, "max_concurrency", self.max_concurrency)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

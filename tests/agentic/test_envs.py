@@ -15,6 +15,7 @@ from nonstop.agentic.envs import (
     GridWorldConfig,
     GridWorldEnv,
     PythonEnv,
+    PythonEnvConfig,
     RetrievalEnv,
     evaluate,
     generate_corpus,
@@ -25,6 +26,7 @@ from nonstop.agentic.envs import (
 from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig
 from nonstop.models.chat import ChatTemplate, ToolCall
+from nonstop.models.validation import ConfigError
 
 
 async def replay(env, task):
@@ -250,3 +252,27 @@ def test_retrieval_env_generated_and_from_directory(tmp_path):
 def test_last_number():
     assert last_number("first 3, then 1,234.5 apples") == 1234.5
     assert last_number("none") is None
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: CalculatorConfig(max_operand=1),
+         r"^CalculatorConfig\.max_operand=1 is invalid; expected an int >= 2$"),
+        (lambda: CalculatorConfig(ops=("+", "^")),
+         r"^CalculatorConfig\.ops=\('\+', '\^'\) is invalid; expected a non-empty subset of "),
+        (lambda: CalculatorConfig(num_steps=5),
+         r"^CalculatorConfig\.num_steps=5 is invalid; expected an int in \[1, 4\]$"),
+        (lambda: GridWorldConfig(width=1),
+         r"^GridWorldConfig\.width=1 is invalid; expected an int >= 2$"),
+        (lambda: GridWorldConfig(height=2, width=2, num_walls=3),
+         r"^GridWorldConfig\.num_walls=3 is invalid; expected an int in \[0, 2\]"),
+        (lambda: GridWorldConfig(max_steps=0),
+         r"^GridWorldConfig\.max_steps=0 is invalid; expected an int >= 1$"),
+        (lambda: PythonEnvConfig(max_n=9),
+         r"^PythonEnvConfig\.max_n=9 is invalid; expected an int >= 10$"),
+    ],
+)
+def test_env_config_errors_name_field_value_and_valid_range(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()

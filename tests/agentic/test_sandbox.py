@@ -12,6 +12,7 @@ import time
 import pytest
 
 from nonstop.agentic.sandbox import OS_GUARDS, Sandbox, SandboxConfig
+from nonstop.models.validation import ConfigError
 
 FAST = dict(timeout_s=1.5, cpu_s=3, memory_mb=128, max_output_bytes=2048,
             kill_output_bytes=1 << 20)  # fmt: skip
@@ -176,7 +177,12 @@ def test_scratch_dirs_are_removed(tmp_path):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="SandboxConfig.timeout_s must be > 0"):
+    with pytest.raises(ConfigError, match=r"^SandboxConfig\.timeout_s=0 is invalid; expected a "
+                                          r"number of seconds > 0"):
         SandboxConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="kill_output_bytes"):
+    with pytest.raises(ConfigError, match=r"^SandboxConfig\.memory_mb=0 is invalid; expected an "
+                                          r"int >= 1"):
+        SandboxConfig(memory_mb=0)
+    with pytest.raises(ConfigError, match=r"^SandboxConfig\.kill_output_bytes=150 is invalid; "
+                                          r"expected an int >= 2 \* max_output_bytes = 200"):
         SandboxConfig(max_output_bytes=100, kill_output_bytes=150)

@@ -17,6 +17,7 @@ from typing import Literal
 from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
+from nonstop.models.validation import check, check_int
 
 Op = Literal["+", "-", "*", "/"]
 _OPS: tuple[Op, ...] = ("+", "-", "*", "/")
@@ -97,13 +98,12 @@ class CalculatorConfig:
     max_turns: int = 4
 
     def __post_init__(self) -> None:
-        if self.max_operand < 2:
-            raise ValueError(f"CalculatorConfig.max_operand must be >= 2, got {self.max_operand}")
-        if not self.ops or any(op not in _OPS for op in self.ops):
-            raise ValueError(f"CalculatorConfig.ops must be a non-empty subset of {_OPS}, "
-                             f"got {self.ops!r}")  # fmt: skip
-        if not 1 <= self.num_steps <= 4:
-            raise ValueError(f"CalculatorConfig.num_steps must be in 1..4, got {self.num_steps}")
+        owner = "CalculatorConfig"
+        check_int(owner, "max_operand", self.max_operand, low=2)
+        check(bool(self.ops) and all(op in _OPS for op in self.ops), owner, "ops", self.ops,
+              f"a non-empty subset of {_OPS}")
+        check(isinstance(self.num_steps, int) and 1 <= self.num_steps <= 4, owner, "num_steps",
+              self.num_steps, "an int in [1, 4]")
 
 
 def make_problem(rng: random.Random, config: CalculatorConfig) -> Task:

@@ -19,6 +19,7 @@ from typing import Literal
 from nonstop.agentic.environment import AgentAction, Environment, Observation, StepResult, Task
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
+from nonstop.models.validation import check, check_int, check_ints
 
 Direction = Literal["up", "down", "left", "right"]
 DIRECTIONS: dict[Direction, tuple[int, int]] = {
@@ -38,14 +39,13 @@ class GridWorldConfig:
     step_penalty: float = 0.02
 
     def __post_init__(self) -> None:
-        if self.height < 2 or self.width < 2:
-            raise ValueError(f"GridWorldConfig height and width must be >= 2, got "
-                             f"{self.height}x{self.width}")  # fmt: skip
-        if not 0 <= self.num_walls <= self.height * self.width - 2:
-            raise ValueError(f"GridWorldConfig.num_walls must be in 0..{self.height * self.width - 2}"
-                             f", got {self.num_walls}")  # fmt: skip
-        if self.max_steps < 1:
-            raise ValueError(f"GridWorldConfig.max_steps must be >= 1, got {self.max_steps}")
+        owner = "GridWorldConfig"
+        check_ints(owner, self, ("height", "width"), low=2)
+        most = self.height * self.width - 2  # the start and the goal stay free
+        check(isinstance(self.num_walls, int) and 0 <= self.num_walls <= most, owner, "num_walls",
+              self.num_walls, f"an int in [0, {most}] (height * width - 2 for a "
+              f"{self.height}x{self.width} grid)")
+        check_int(owner, "max_steps", self.max_steps)
 
 
 def shortest_path(

@@ -15,6 +15,7 @@ from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
+from nonstop.models.validation import check_int
 
 # (question, reference code) templates; the code prints the answer.
 _TEMPLATES = (
@@ -70,10 +71,8 @@ class PythonEnvConfig:
     max_turns: int = 4
 
     def __post_init__(self) -> None:
-        if self.max_n < 10:
-            raise ValueError(f"PythonEnvConfig.max_n must be >= 10, got {self.max_n}")
-        if self.max_turns < 1:
-            raise ValueError(f"PythonEnvConfig.max_turns must be >= 1, got {self.max_turns}")
+        check_int("PythonEnvConfig", "max_n", self.max_n, low=10)
+        check_int("PythonEnvConfig", "max_turns", self.max_turns)
 
 
 def reference_answer(code: str) -> str:
