@@ -2,13 +2,17 @@
 
 Every subcommand module exposes `add_parser(subparsers)`, which registers its parser(s) and sets
 `run` as the default handler. Modules are imported only when their subcommand is named, so
-`nonstop --help` and a single job never pay for the others' imports.
+`nonstop --help` and a single job never pay for the others' imports. `python -m nonstop` runs
+the same command.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,13 +21,29 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("nonstop.cli.sft", "supervised fine-tuning (full weights, LoRA, QLoRA)"),
     "dpo": ("nonstop.cli.sft", "direct preference optimisation"),
     "orpo": ("nonstop.cli.sft", "odds-ratio preference optimisation"),
-    "rl": ("nonstop.cli.rl", "RL on prompts: GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token, RLOO"),
+    "rl": ("nonstop.cli.rl", "RL on prompts: PPO, GRPO, Dr.GRPO, DAPO, GSPO, GSPO-token, RLOO"),
     "agentic": ("nonstop.cli.agentic", "agentic RL with tools and asynchronous rollouts"),
     "vlm": ("nonstop.cli.vlm", "SFT or DPO of a Gemma 3 vision-language model (LoRA)"),
     "serve": ("nonstop.cli.serve", "serve a checkpoint over the OpenAI-compatible HTTP API"),
+    "export": ("nonstop.cli.export",
+               "export a run's model: merged Hugging Face checkpoint or PEFT adapters"),
     "report": ("nonstop.cli.report", "explain where a run's time went"),
+    "configs": ("nonstop.cli.configs", "list the shipped recipe configs, or print one"),
     "demo": ("nonstop.cli.demo", "the built-in end-to-end demo"),
 }
+
+DESCRIPTION = ("JAX-native post-training for LLMs and tool-using agents: SFT, DPO, ORPO, RL and "
+               "agentic RL.")
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own when it is not installed."""
+    try:
+        return importlib.metadata.version("nonstop")
+    except importlib.metadata.PackageNotFoundError:
+        from nonstop import __version__
+
+        return __version__
 
 
 def _available(name: str) -> bool:
@@ -32,7 +52,11 @@ def _available(name: str) -> bool:
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nonstop", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="nonstop", description=DESCRIPTION,
+        epilog="`nonstop COMMAND --help` shows a command's options; `nonstop configs` lists the "
+               "recipe configs that ship with nonstop.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     if wanted in SUBCOMMANDS and _available(wanted):
@@ -50,7 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    result = args.run(args)
+    try:
+        result = args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`nonstop configs | head`): stop quietly, as other tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return int(result or 0)
 
 

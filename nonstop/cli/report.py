@@ -14,10 +14,13 @@ import json
 import os
 import sys
 
+from nonstop.cli.config_command import report_error
 from nonstop.perf import read_events, write_trace
 from nonstop.perf.recorder import EVENTS_FILE, TRACE_FILE
 from nonstop.perf.report import build_report
 from nonstop.perf.timeline import render_timeline
+
+COMMAND = "nonstop report"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,13 +57,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir
+    if not os.path.exists(run_dir):
+        return report_error(COMMAND, f"{run_dir!r} does not exist; pass a run directory (it "
+                            f"holds {EVENTS_FILE})")
     if not os.path.isdir(run_dir):
-        print(f"nonstop report: {run_dir!r} is not a directory", file=sys.stderr)
-        return 2
+        return report_error(COMMAND, f"{run_dir!r} is not a directory; pass a run directory "
+                            f"(it holds {EVENTS_FILE})")
     if args.peak_flops_per_s is not None and not args.peak_flops_per_s > 0:
-        print(f"nonstop report: --peak-flops-per-s {args.peak_flops_per_s}; valid: > 0",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return report_error(COMMAND, f"--peak-flops-per-s {args.peak_flops_per_s}; valid: > 0")
     events_path = os.path.join(run_dir, EVENTS_FILE)
     if args.write_trace and os.path.exists(events_path):
         write_trace(events_path, os.path.join(run_dir, TRACE_FILE))

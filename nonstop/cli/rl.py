@@ -1,34 +1,41 @@
-"""`nonstop rl --config FILE.yaml [key.sub=value ...]`: RL on prompts with a verifiable reward.
+"""`nonstop rl --config NAME|FILE.yaml [key.sub=value ...]`: RL on prompts with a verifiable reward.
 
-The config is an `RLRunConfig` (nonstop/recipes/rl_recipe.py); `algorithm` chooses GRPO, Dr.GRPO,
-DAPO, GSPO, GSPO-token or RLOO by name. Example configs live in nonstop/recipes/configs/:
+The config is an `RLRunConfig` (nonstop/recipes/rl_recipe.py); `algorithm` chooses PPO, GRPO,
+Dr.GRPO, DAPO, GSPO, GSPO-token or RLOO by name. `nonstop configs` lists the shipped configs;
+`--config` takes one's name or a YAML file:
 
-    nonstop rl --config nonstop/recipes/configs/grpo_arithmetic.yaml steps=40
-    nonstop rl --config nonstop/recipes/configs/grpo_gsm8k_qwen3_0_6b.yaml \\
+    nonstop rl --config grpo_arithmetic steps=40
+    nonstop rl --config grpo_gsm8k_qwen3_0_6b \\
         model.path=/ckpt/Qwen3-0.6B task.path=/data/gsm8k/train.jsonl
+    nonstop rl --config grpo_arithmetic --print-config > my_rl.yaml
 
-Running the same command again on the same run_dir resumes from its last checkpoint. A bad key
-or value stops with a message naming it (exit status 2).
+Running the same command again on the same run_dir resumes from its last checkpoint. A bad file,
+key or value stops with a one-line message naming it (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from nonstop.cli.config_command import add_config_command, load_or_report
+from nonstop.cli.config_command import add_config_command, load_or_report, print_config
+
+COMMAND = "nonstop rl"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    return add_config_command(subparsers, "rl", help="RL on prompts (GRPO, Dr.GRPO, DAPO, GSPO, "
-                              "RLOO)", description=__doc__, config_name="RLRunConfig", run=run)
+    return add_config_command(subparsers, "rl", help="RL on prompts (PPO, GRPO, Dr.GRPO, DAPO, "
+                              "GSPO, RLOO)", description=__doc__,
+                              config_class="nonstop.recipes.rl_recipe:RLRunConfig", run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from nonstop.recipes.rl_recipe import RLRunConfig, run_rl
 
-    cfg = load_or_report(RLRunConfig, args, "nonstop rl")
+    cfg = load_or_report(RLRunConfig, args, COMMAND)
     if cfg is None:
         return 2
+    if args.print_config:
+        return print_config(cfg)
     summary = run_rl(cfg)
     print(f"eval reward: {summary['eval_before']:.3f} before RL, {summary['eval_after']:.3f} "
           f"after {cfg.steps} {cfg.algorithm} steps ({summary['seconds']:.0f}s); "

@@ -3,6 +3,8 @@
 Binds 127.0.0.1 unless `--host` says otherwise. The API key comes from `--api-key` or, failing
 that, the NONSTOP_API_KEY environment variable; with neither, the server is open.
 `python -m nonstop.cli.serve MODEL_DIR ...` runs the same command without the top-level CLI.
+A directory that is missing or is not a checkpoint (config.json, *.safetensors, tokenizer.json)
+stops with a one-line message (exit status 2).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import argparse
 import os
 import sys
 import typing
+from pathlib import Path
 
+from nonstop.cli.config_command import report_error
 from nonstop.engine.server import API_KEY_ENV, Dtype, ServerConfig, serve
 
 
@@ -55,14 +59,36 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_len=args.max_len, dtype=args.dtype, log_level=args.log_level)
 
 
+def check_checkpoint_dir(model_dir: str) -> None:
+    """Raise ValueError naming what is missing unless `model_dir` holds a Hugging Face checkpoint
+    that `serve` can load (config.json, safetensors weights, a fast tokenizer)."""
+    directory = Path(model_dir)
+    if not directory.exists():
+        raise ValueError(f"{model_dir}: no such directory; pass a local Hugging Face checkpoint "
+                         "directory (config.json, *.safetensors, tokenizer.json)")
+    if not directory.is_dir():
+        raise ValueError(f"{model_dir}: not a directory; pass a local Hugging Face checkpoint "
+                         "directory (config.json, *.safetensors, tokenizer.json)")
+    missing = [name for name, present in (
+        ("config.json", (directory / "config.json").is_file()),
+        ("*.safetensors", any(directory.glob("*.safetensors"))),
+        ("tokenizer.json", (directory / "tokenizer.json").is_file()),
+    ) if not present]
+    if missing:
+        raise ValueError(f"{model_dir}: not a Hugging Face checkpoint directory: no "
+                         f"{', '.join(missing)} (a nonstop run writes one to RUN_DIR/export)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the process exit code."""
     try:
         config = config_from_args(args)
-    except ValueError as error:
-        print(f"nonstop serve: {error}", file=sys.stderr)
-        return 2
-    serve(config)
+        check_checkpoint_dir(config.model_dir)
+        serve(config)
+    except (ValueError, OSError) as error:
+        # ValueError covers ConfigError and CheckpointError from loading the checkpoint; OSError
+        # an unreadable file or a port already in use.
+        return report_error("nonstop serve", error)
     return 0
 
 

@@ -1,65 +1,60 @@
-"""`nonstop sft | dpo | orpo --config FILE.yaml [key.sub=value ...]`: supervised and preference tuning.
+"""`nonstop sft | dpo | orpo --config NAME|FILE.yaml [key.sub=value ...]`: supervised and
+preference tuning.
 
 The config is an `SFTRunConfig` (nonstop/sft/config.py) read from YAML, then the dotted overrides
-in order; the subcommand sets `algorithm`. Example configs live in nonstop/recipes/configs/:
+in order; the subcommand sets `algorithm`. `nonstop configs` lists the shipped configs;
+`--config` takes one's name or a YAML file:
 
-    nonstop sft --config nonstop/recipes/configs/sft_tiny.yaml steps=200 run_dir=runs/tiny
-    nonstop dpo --config nonstop/recipes/configs/dpo_qwen3_0_6b.yaml model.path=/ckpt/qwen3
+    nonstop sft --config sft_tiny steps=200 run_dir=runs/tiny
+    nonstop dpo --config dpo_qwen3_0_6b model.path=/ckpt/qwen3
+    nonstop sft --config sft_tiny --print-config > my_sft.yaml
 
 A run directory records the resolved config (config.yaml), metrics (metrics.jsonl, tensorboard/),
 the perf trace, checkpoints/ and, at the end, export/ (a Hugging Face checkpoint). Running the
-same command again resumes from the last complete checkpoint. Bad input — an unknown key, a bad
-value, a malformed data line, an example longer than the longest bucket — stops the run with a
-message naming the key or the file and line (exit status 2).
+same command again resumes from the last complete checkpoint. Bad input — a malformed or missing
+config file, an unknown key, a bad value, a malformed data line, an example longer than the
+longest bucket — stops the run with a one-line message naming the key or the file and line
+(exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from typing import Any
 
-import yaml
-
-from nonstop.models.checkpoint import CheckpointError
-from nonstop.recipes.config_io import dump_config, load_config, parse_override
-from nonstop.recipes.sft_data import prepare_run
-from nonstop.sft.config import SFTRunConfig
-from nonstop.sft.trainer import train
+from nonstop.cli.config_command import (
+    add_config_command,
+    load_or_report,
+    print_config,
+    report_error,
+)
 
 COMMANDS = {
     "sft": "supervised fine-tuning (full weights, LoRA, QLoRA)",
     "dpo": "direct preference optimisation (sigmoid, IPO, hinge; reference-free or not)",
     "orpo": "odds-ratio preference optimisation",
 }
+CONFIG_CLASS = "nonstop.sft.config:SFTRunConfig"
 CONFIG_RECORD = "config.yaml"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `sft`, `dpo` and `orpo` on the top-level CLI's subparsers."""
     for name, help_text in COMMANDS.items():
-        parser = subparsers.add_parser(
-            name, help=help_text, description=__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter)
-        _add_arguments(parser)
-        parser.set_defaults(run=run, algorithm=name)
+        parser = add_config_command(subparsers, name, help=help_text, description=__doc__,
+                                    config_class=CONFIG_CLASS, run=run)
+        parser.set_defaults(algorithm=name)
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE.yaml", default=None,
-                        help="YAML config (an SFTRunConfig); omitted: all defaults")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="dotted overrides applied after the file, values parsed as YAML")
+def load_run_config(algorithm: str, path: str | None, overrides: list[str]) -> Any:
+    """The `SFTRunConfig` for subcommand `algorithm`; naming another algorithm is an error."""
+    from nonstop.recipes.config_io import load_config, parse_override
+    from nonstop.sft.config import SFTRunConfig
 
-
-def load_run_config(algorithm: str, path: str | None, overrides: list[str]) -> SFTRunConfig:
-    """The run config for subcommand `algorithm`; naming another algorithm is an error."""
-    named = []
-    if path is not None and os.path.exists(path):
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle)
-        if isinstance(raw, dict) and "algorithm" in raw:
-            named.append(raw["algorithm"])
+    named = _algorithm_in_file(path)
     named += [parse_override(o)[1] for o in overrides if parse_override(o)[0] == ("algorithm",)]
     for value in named:
         if value != algorithm:
@@ -68,20 +63,46 @@ def load_run_config(algorithm: str, path: str | None, overrides: list[str]) -> S
     return load_config(SFTRunConfig, path, [*overrides, f"algorithm={algorithm}"])
 
 
+def _algorithm_in_file(path: str | None) -> list[Any]:
+    """The `algorithm` the YAML file names, if it names one."""
+    import yaml
+
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError):
+        return []  # load_config reports an unreadable or malformed file, on one line
+    return [raw["algorithm"]] if isinstance(raw, dict) and "algorithm" in raw else []
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as configured; returns the process exit code."""
+    # Imported here so that `nonstop sft --help` does not pay for JAX.
+    import yaml
+
+    from nonstop.recipes.config_io import dump_config
+    from nonstop.recipes.sft_data import prepare_run
+    from nonstop.sft.config import SFTRunConfig
+    from nonstop.sft.trainer import train
+
     command = f"nonstop {args.algorithm}"
+    cfg = load_or_report(SFTRunConfig, args, command,
+                         load=functools.partial(load_run_config, args.algorithm))
+    if cfg is None:
+        return 2
+    if args.print_config:
+        return print_config(cfg)
     try:
-        cfg = load_run_config(args.algorithm, args.config, list(args.overrides))
         cfg, tokenizer = prepare_run(cfg)
         os.makedirs(cfg.run_dir, exist_ok=True)
         with open(os.path.join(cfg.run_dir, CONFIG_RECORD), "w", encoding="utf-8") as handle:
             yaml.safe_dump(dump_config(cfg), handle, sort_keys=False)
         result = train(cfg, tokenizer=tokenizer)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, CheckpointError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"{command}: error: {message}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
+        # ValueError covers ConfigError, CheckpointError and the data errors.
+        return report_error(command, error)
     metrics = result.last_metrics or {}
     loss = f"{metrics['loss']:.4g}" if "loss" in metrics else "n/a"
     print(f"{command}: {result.run_dir}: step {result.last_step}/{cfg.steps}, loss {loss}"

@@ -1,12 +1,14 @@
-"""`nonstop vlm --config FILE.yaml [key.sub=value ...]`: SFT or DPO of a Gemma 3 vision-language
-model, with LoRA on the language model (and, with vision_lora=true, on the vision attention).
+"""`nonstop vlm --config NAME|FILE.yaml [key.sub=value ...]`: SFT or DPO of a Gemma 3
+vision-language model, with LoRA on the language model (and, with vision_lora=true, on the
+vision attention).
 
 The config is a `VisionTrainConfig` (nonstop/sft/vision_trainer.py) read from YAML, then the
 dotted overrides in order; `kind` (sft or dpo) chooses the objective. The tokenizer and the image
 processor come from the checkpoint directory (tokenizer_path=... to use another tokenizer).
-An example config lives in nonstop/recipes/configs/:
+`nonstop configs` lists the shipped configs (the vlm_* ones run here); `--config` takes one's
+name or a YAML file:
 
-    nonstop vlm --config nonstop/recipes/configs/vlm_sft_gemma3_4b.yaml \\
+    nonstop vlm --config vlm_sft_gemma3_4b \\
         model_path=/ckpt/gemma-3-4b-it data_path=/data/captions.jsonl run_dir=runs/vlm
 
 Data is JSONL: {"prompt": "...<start_of_image>...", "completion": ..., "images": ["a.png"]} or
@@ -30,9 +32,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from nonstop.cli.config_command import add_config_command
+from nonstop.cli.config_command import (
+    add_config_command,
+    load_or_report,
+    print_config,
+    report_error,
+)
 
 COMMAND = "nonstop vlm"
 CONFIG_RECORD = "config.yaml"
@@ -42,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Register `vlm` on the top-level CLI's subparsers."""
     return add_config_command(subparsers, "vlm", help="SFT or DPO of a Gemma 3 vision-language "
                               "model (LoRA)", description=__doc__,
-                              config_name="VisionTrainConfig", run=run)
+                              config_class="nonstop.sft.vision_trainer:VisionTrainConfig",
+                              run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,20 +57,22 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so that `nonstop vlm --help` does not pay for JAX.
     import yaml
 
-    from nonstop.recipes.config_io import dump_config, load_config
+    from nonstop.recipes.config_io import dump_config
     from nonstop.sft.vision_trainer import VisionTrainConfig, train_vision
 
+    cfg = load_or_report(VisionTrainConfig, args, COMMAND)
+    if cfg is None:
+        return 2
+    if args.print_config:
+        return print_config(cfg)
     try:
-        cfg = load_config(VisionTrainConfig, args.config, list(args.overrides))
         os.makedirs(cfg.run_dir, exist_ok=True)
         with open(os.path.join(cfg.run_dir, CONFIG_RECORD), "w", encoding="utf-8") as handle:
             yaml.safe_dump(dump_config(cfg), handle, sort_keys=False)
         result = train_vision(cfg)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
         # ValueError covers ConfigError, CheckpointError, VisionDataError and ImageError.
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"{COMMAND}: error: {message}", file=sys.stderr)
-        return 2
+        return report_error(COMMAND, error)
     loss = f"{result.losses[-1]:.4g}" if result.losses else "n/a"
     print(f"{COMMAND} ({cfg.kind}): {result.run_dir}: {len(result.losses)} steps, loss {loss}"
           + (f", exported to {result.export_dir}" if result.export_dir else ""))

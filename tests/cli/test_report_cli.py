@@ -85,5 +85,5 @@ def test_empty_directory_and_bad_arguments(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "events.jsonl: missing" in captured.out and "no events" in captured.err
     assert main(["report", str(tmp_path / "nope")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "nope' does not exist; pass a run directory" in capsys.readouterr().err
     assert main(["report", str(tmp_path), "--peak-flops-per-s", "-1"]) == 2

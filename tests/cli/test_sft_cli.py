@@ -87,7 +87,7 @@ def test_bad_data_names_the_file_and_line(tmp_path, capsys, case):
     ("dtype=float16", "dtype='float16' is invalid; expected one of 'float32', 'bfloat16'"),
     ("dpo.loss_type=kto", "dpo.loss_type='kto' is invalid; expected one of 'sigmoid', 'ipo'"),
     ("algorithm=dpo", "algorithm='dpo' conflicts with the subcommand 'nonstop sft'"),
-    ("packing.buckets=[256, 128]", "buckets must be strictly increasing"),
+    ("packing.buckets=[256, 128]", "expected strictly increasing lengths, e.g. [128, 256]"),
     ("model.path=/no/such/ckpt", "/no/such/ckpt: not a directory"),
 ])
 def test_bad_config_names_the_key_and_valid_values(tmp_path, capsys, override, message):
