@@ -1,30 +1,44 @@
-# Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
+# Two entry points: `make demo` and `make test`. Both create .venv when it is missing; each
+# installs what it needs once (a stamp file per entry point), so either can run first.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup dist clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+# The demo needs the package alone: no torch, transformers or ray.
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# The tests need torch (for transformers parity), installed first at the pinned version.
+$(TEST_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $@
 
-setup: $(STAMP)
+setup: $(TEST_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/nonstop demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
 	$(PY) -m pytest -q -x --timeout=900 tests
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
 	$(VENV)/bin/ruff format --check nonstop tests bench
 
+# A wheel of the package (with its recipe configs) in dist/.
+dist: $(TEST_STAMP)
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache dist build
