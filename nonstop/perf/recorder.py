@@ -51,20 +51,25 @@ class PerfConfig:
     prometheus_port: int | None = None  # serve /metrics on this port while a run is active
 
     def __post_init__(self) -> None:
-        if self.capacity < 16:
-            raise ValueError(f"PerfConfig.capacity: got {self.capacity}; valid: an int >= 16")
+        _check(isinstance(self.capacity, int) and self.capacity >= 16, "capacity", self.capacity,
+               "an int >= 16")
         for field in ("flush_interval_s", "scalars_every_s"):
             value = getattr(self, field)
-            if not value > 0:
-                raise ValueError(f"PerfConfig.{field}: got {value!r}; valid: a float > 0")
-        if self.peak_flops_per_s is not None and not self.peak_flops_per_s > 0:
-            raise ValueError(
-                f"PerfConfig.peak_flops_per_s: got {self.peak_flops_per_s!r}; valid: None or > 0"
-            )
-        if self.prometheus_port is not None and not 0 <= self.prometheus_port < 65536:
-            raise ValueError(
-                f"PerfConfig.prometheus_port: got {self.prometheus_port!r}; valid: None or 0-65535"
-            )
+            _check(value > 0, field, value, "a number of seconds > 0")
+        _check(self.peak_flops_per_s is None or self.peak_flops_per_s > 0, "peak_flops_per_s",
+               self.peak_flops_per_s, "None (no MFU) or a float > 0")
+        port = self.prometheus_port
+        _check(port is None or 0 <= port < 65536, "prometheus_port", port,
+               "None (no /metrics) or an int in [0, 65535]")
+
+
+def _check(ok: bool, field: str, value: Any, valid: str) -> None:
+    """`nonstop.models.validation.check` for PerfConfig, imported only to raise: importing
+    nonstop.models pulls in jax, and importing perf must not."""
+    if not ok:
+        from nonstop.models.validation import invalid
+
+        raise invalid("PerfConfig", field, value, valid)
 
 
 @dataclasses.dataclass

@@ -213,11 +213,14 @@ def test_buffered_events_drop_out_of_the_garbage_collectors_sight(fresh):
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(ValueError, match=r"^PerfConfig\.capacity=3 is invalid; expected an int "
+                                         r">= 16$"):
         perf.PerfConfig(capacity=3)
-    with pytest.raises(ValueError, match="flush_interval_s"):
+    with pytest.raises(ValueError, match=r"^PerfConfig\.flush_interval_s=0 is invalid"):
         perf.PerfConfig(flush_interval_s=0)
-    with pytest.raises(ValueError, match="peak_flops_per_s"):
+    with pytest.raises(ValueError, match=r"^PerfConfig\.peak_flops_per_s=-1\.0 is invalid"):
         perf.PerfConfig(peak_flops_per_s=-1.0)
+    with pytest.raises(ValueError, match=r"^PerfConfig\.prometheus_port=65536 is invalid"):
+        perf.PerfConfig(prometheus_port=65536)
     with pytest.raises(ValueError, match="kind"):
         perf.Stage(name="a/b", role="a", kind="busy")
