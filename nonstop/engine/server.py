@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -56,6 +56,7 @@ from nonstop.engine.sampling import SamplingParams
 from nonstop.engine.types import Completion, RequestError
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.validation import check, check_choice, check_int
 
 log = logging.getLogger(__name__)
 
@@ -440,18 +441,15 @@ class ServerConfig:
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_slots < 1:
-            raise ValueError(f"max_slots must be >= 1, got {self.max_slots}")
-        if self.max_len < 2:
-            raise ValueError(f"max_len must be >= 2 (a prompt token and a generated one), "
-                             f"got {self.max_len}")
-        if self.dtype not in get_args(Dtype):
-            raise ValueError(f"dtype must be one of {get_args(Dtype)}, got {self.dtype!r}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be a non-empty string or None")
-
+        owner = "ServerConfig"
+        check(isinstance(self.port, int) and 0 <= self.port <= 65535, owner, "port", self.port,
+              "an int in [0, 65535]")
+        check_int(owner, "max_slots", self.max_slots)
+        check(isinstance(self.max_len, int) and self.max_len >= 2, owner, "max_len", self.max_len,
+              "an int >= 2 (a prompt token and a generated one)")
+        check_choice(owner, "dtype", self.dtype, Dtype)
+        check(self.api_key is None or bool(self.api_key), owner, "api_key", self.api_key,
+              "None (no authentication) or a non-empty string")
 
 def serve(config: ServerConfig) -> None:
     """Load `config.model_dir`, start an Engine on it and serve it with uvicorn until stopped."""

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules, make_mesh
+from nonstop.models.validation import check
 from nonstop.train.state import TrainState, state_shardings
 
 PyTree = Any
@@ -62,15 +63,18 @@ class DistributedConfig:
     cpu_collectives: Literal["gloo", "mpi"] = "gloo"
 
     def __post_init__(self) -> None:
-        explicit = (self.coordinator_address, self.num_processes, self.process_id)
-        if any(v is not None for v in explicit) and any(v is None for v in explicit):
-            raise ValueError(
-                f"DistributedConfig: coordinator_address={self.coordinator_address!r}, "
-                f"num_processes={self.num_processes!r}, process_id={self.process_id!r}; give all "
-                "three, or none of them to let JAX detect the cluster")
-        if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
-            raise ValueError(f"DistributedConfig.process_id={self.process_id!r} is invalid; "
-                             f"expected 0 <= process_id < num_processes={self.num_processes}")
+        owner = "DistributedConfig"
+        explicit = {"coordinator_address": self.coordinator_address,
+                    "num_processes": self.num_processes, "process_id": self.process_id}
+        given = {name: value for name, value in explicit.items() if value is not None}
+        for name in explicit:
+            check(not given or name in given, owner, name, None,
+                  f"a value, given {', '.join(f'{k}={v!r}' for k, v in given.items())} (set all "
+                  "three of coordinator_address, num_processes and process_id, or none of them to "
+                  "let JAX detect the cluster)")
+        if self.num_processes is not None:
+            check(0 <= (self.process_id or 0) < self.num_processes, owner, "process_id",
+                  self.process_id, f"an int in [0, num_processes={self.num_processes})")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> DistributedConfig | None:

@@ -24,11 +24,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from nonstop.engine import openai_protocol as wire
-from nonstop.engine.server import text_deltas
+from nonstop.engine.server import ServerConfig, text_deltas
 from nonstop.models import ModelConfig
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.hf_weights import weight_specs
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.validation import ConfigError
 from tests.models.tokenizer_fixtures import build_tiny_tokenizer
 
 VOCAB = 293  # prime; the tiny llama3 tokenizer is trained to exactly this many ids
@@ -319,3 +320,19 @@ def test_bad_requests_get_400_while_a_good_request_succeeds(server: str):
     assert good.status_code == 200
     choice = good.json()["choices"][0]
     assert choice["finish_reason"] == "length" and good.json()["usage"]["completion_tokens"] == 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"port": 65536}, r"^ServerConfig\.port=65536 is invalid; expected an int in \[0, 65535\]$"),
+        ({"max_slots": 0}, r"^ServerConfig\.max_slots=0 is invalid; expected an int >= 1$"),
+        ({"max_len": 1}, r"^ServerConfig\.max_len=1 is invalid; expected an int >= 2 "),
+        ({"dtype": "float16"},
+         r"^ServerConfig\.dtype='float16' is invalid; expected one of 'float32', 'bfloat16'$"),
+        ({"api_key": ""}, r"^ServerConfig\.api_key='' is invalid; expected None "),
+    ],
+)
+def test_server_config_errors_name_field_value_and_valid_range(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(model_dir="ckpt", **kwargs)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from nonstop.models.validation import ConfigError
 from nonstop.train.distributed import DistributedConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,7 +162,10 @@ def test_distributed_config_from_env():
     with pytest.raises(ValueError, match="NONSTOP_PROCESS_ID must be integers"):
         DistributedConfig.from_env({"NONSTOP_COORDINATOR_ADDRESS": "h:1",
                                     "NONSTOP_NUM_PROCESSES": "2"})
-    with pytest.raises(ValueError, match="give all three"):
+    with pytest.raises(ConfigError, match=r"^DistributedConfig\.num_processes=None is invalid; "
+                                          r"expected a value, given coordinator_address='h:1' "
+                                          r"\(set all three"):
         DistributedConfig(coordinator_address="h:1")
-    with pytest.raises(ValueError, match="process_id=2 is invalid"):
+    with pytest.raises(ConfigError, match=r"^DistributedConfig\.process_id=2 is invalid; "
+                                          r"expected an int in \[0, num_processes=2\)"):
         DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
