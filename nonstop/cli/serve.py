@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         # ValueError covers ConfigError and CheckpointError from loading the checkpoint; OSError
         # an unreadable file or a port already in use.
         return report_error("nonstop serve", error)
+    except KeyError as error:  # a config.json without a key the model family needs
+        return report_error("nonstop serve", f"{args.model_dir}: cannot load the checkpoint: "
+                            f"missing key {error.args[0]!r} (in config.json?)")
     return 0
 
 
