@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from nonstop.cli.config_command import add_config_command, load_or_report, print_config
+from nonstop.cli.config_command import (
+    add_config_command,
+    bad_input_errors,
+    load_or_report,
+    print_config,
+    report_error,
+)
 
 COMMAND = "nonstop agentic"
 
@@ -33,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.print_config:
         return print_config(cfg)
-    s = run_agentic(cfg)
+    try:
+        s = run_agentic(cfg)
+    except bad_input_errors() as error:
+        return report_error(COMMAND, error)
     print(f"solve rate: {s['solve_rate_before']:.1%} before, {s['solve_rate_after']:.1%} after "
           f"{s['steps']} steps ({s['seconds']:.0f}s); run dir {s['run_dir']}; "
           f"explain the time: nonstop report {s['run_dir']}/perf")

@@ -40,6 +40,17 @@ def one_line(error: BaseException | str) -> str:
     return "; ".join(lines) or type(error).__name__
 
 
+def bad_input_errors() -> tuple[type[BaseException], ...]:
+    """What a run raises for bad input (a missing path, a bad config value, a checkpoint or data
+    file it cannot use), reported as one line; anything else keeps its traceback, being a bug."""
+    from nonstop.models import CheckpointError
+    from nonstop.models.config import ConfigError
+    from nonstop.recipes.tasks.base import TaskError
+
+    return (ConfigError, CheckpointError, TaskError, FileNotFoundError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
+
+
 def report_error(prog: str, error: BaseException | str) -> int:
     """Print `prog: error: message` as one line on stderr; returns the exit status (2)."""
     print(f"{prog}: error: {one_line(error)}", file=sys.stderr)

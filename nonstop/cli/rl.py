@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import argparse
 
-from nonstop.cli.config_command import add_config_command, load_or_report, print_config
+from nonstop.cli.config_command import (
+    add_config_command,
+    bad_input_errors,
+    load_or_report,
+    print_config,
+    report_error,
+)
 
 COMMAND = "nonstop rl"
 
@@ -36,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.print_config:
         return print_config(cfg)
-    summary = run_rl(cfg)
+    try:
+        summary = run_rl(cfg)
+    except bad_input_errors() as error:
+        return report_error(COMMAND, error)
     print(f"eval reward: {summary['eval_before']:.3f} before RL, {summary['eval_after']:.3f} "
           f"after {cfg.steps} {cfg.algorithm} steps ({summary['seconds']:.0f}s); "
           f"run dir {summary['run_dir']}")

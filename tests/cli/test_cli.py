@@ -241,3 +241,17 @@ def test_report_bad_directories_are_one_line(tmp_path, capsys):
     events.write_text(json.dumps({}) + "\n")
     assert main(["report", str(events)]) == 2
     assert "events.jsonl' is not a directory" in single_error_line(capsys, "nonstop report")
+
+
+@pytest.mark.parametrize("command, config, overrides, message", [
+    ("rl", "grpo_gsm8k_qwen3_0_6b", ["task.path=/no/such.jsonl"],
+     "No such file or directory: '/no/such.jsonl'"),
+    ("rl", "grpo_gsm8k_qwen3_0_6b", ["task.path=/dev/null"],
+     "/dev/null: unknown file type ''; use .jsonl, .json or .parquet"),
+    ("agentic", "agentic_calculator_qwen3_0_6b", ["model.path=/no/such"],
+     "tokenizer directory /no/such does not exist"),
+])
+def test_bad_paths_in_a_run_are_one_line(command, config, overrides, message, tmp_path, capsys):
+    assert main([command, "--config", config, f"run_dir={tmp_path}", "model.path=/no/such",
+                 *overrides]) == 2
+    assert message in single_error_line(capsys, f"nonstop {command}")
