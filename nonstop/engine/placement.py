@@ -42,7 +42,7 @@ from nonstop.models.sharding import (
     make_mesh,
     param_shardings,
 )
-from nonstop.models.validation import check_choice
+from nonstop.models.validation import check, check_choice
 
 PlacementMode = Literal["colocated", "disaggregated"]
 
@@ -59,11 +59,10 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         check_choice("PlacementConfig", "mode", self.mode, PlacementMode)
-        if self.mode == "colocated" and self.engine.num_devices != self.trainer.num_devices:
-            raise ValueError(
-                f"PlacementConfig: colocated engine and trainer share their devices, but engine "
-                f"uses {self.engine.num_devices} and trainer {self.trainer.num_devices}; give "
-                "them the same number, or set mode='disaggregated'")
+        check(self.mode != "colocated" or self.engine.num_devices == self.trainer.num_devices,
+              "PlacementConfig", "engine", self.engine,
+              f"as many devices as trainer ({self.trainer.num_devices}): colocated engine and "
+              "trainer share their devices (or set mode='disaggregated')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from flax import nnx
 from jax import Array
 
 from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, weight_value
+from nonstop.models.validation import check, check_int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,14 +30,11 @@ class LoRAConfig:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError(f"lora rank must be positive, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
+        check_int("LoRAConfig", "rank", self.rank)
+        check(0.0 <= self.dropout < 1.0, "LoRAConfig", "dropout", self.dropout, "in [0, 1)")
         unknown = set(self.targets) - set(PROJECTIONS)
-        if unknown or not self.targets:
-            raise ValueError(f"lora targets {sorted(unknown) or '()'} are not valid; "
-                             f"choose from {sorted(PROJECTIONS)}")
+        check(bool(self.targets) and not unknown, "LoRAConfig", "targets", self.targets,
+              f"a non-empty list of {sorted(PROJECTIONS)}")
 
     @property
     def scale(self) -> float:

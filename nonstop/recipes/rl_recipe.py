@@ -201,11 +201,12 @@ class RLCheckpoints:
             trainer.critic.state = self.critic.restore(trainer.critic.state, step=step).state
         return step, int(restored.data_state["examples_consumed"])
 
-    def save(self, step: int, trainer: PolicyTrainer, consumed: int) -> None:
+    def save(self, step: int, trainer: PolicyTrainer, consumed: int, *, force: bool) -> None:
+        """Save if `step` is due (or `force`: the run's last step)."""
         data = {"examples_consumed": consumed}
-        self.policy.save(step, trainer.state, data_state=data)
+        self.policy.save(step, trainer.state, data_state=data, force=force)
         if self.critic is not None:
-            self.critic.save(step, trainer.critic.state, data_state=data)
+            self.critic.save(step, trainer.critic.state, data_state=data, force=force)
 
     def close(self) -> None:
         for ckpt in (self.policy, self.critic):
@@ -248,7 +249,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             if checkpoints.policy.should_save(step) or step == cfg.steps:
                 writer.flush()
                 with perf.span(perf.TRAIN_CHECKPOINT, step=step):
-                    checkpoints.save(step, trainer, examples.consumed)
+                    checkpoints.save(step, trainer, examples.consumed, force=step == cfg.steps)
 
         # 4. The engine and the learner: evaluate, train, evaluate.
         started = time.perf_counter()

@@ -40,6 +40,7 @@ from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.models import Decoder
+from nonstop.models.validation import check, check_ints
 from nonstop.rl.aggregation import aggregate
 from nonstop.rl.config import RLAlgorithmConfig
 from nonstop.rl.critic import Critic, ValueBatch, ValueModel
@@ -74,11 +75,11 @@ class PolicyTrainerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.inner_epochs < 1:
-            raise ValueError(f"inner_epochs must be >= 1, got {self.inner_epochs}")
-        if self.packing.rows_per_batch % self.grad_accum_steps:
-            raise ValueError(f"packing.rows_per_batch ({self.packing.rows_per_batch}) must be a "
-                             f"multiple of grad_accum_steps ({self.grad_accum_steps})")
+        owner = "PolicyTrainerConfig"
+        check_ints(owner, self, ("inner_epochs", "grad_accum_steps"))
+        rows = self.packing.rows_per_batch
+        check(rows % self.grad_accum_steps == 0, owner, "packing.rows_per_batch", rows,
+              f"a multiple of grad_accum_steps={self.grad_accum_steps}")
 
 
 def trajectory_units(trajectories: Sequence[Trajectory], *, per_token: bool = False

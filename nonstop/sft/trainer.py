@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from nonstop import perf
 from nonstop.models.checkpoint import save_pretrained
 from nonstop.models.lora import apply_lora, has_lora, merge_lora
+from nonstop.models.peft_format import save_adapters
 from nonstop.models.quantize import PROJECTIONS, QuantizedWeight, quantize_model
 from nonstop.models.source import build_model, build_tokenizer
 from nonstop.models.tokenizer import Tokenizer
@@ -63,6 +64,7 @@ from nonstop.train.state import TrainState
 from nonstop.train.step import LossFn, StepSetup, setup_train_step
 
 EXPORT_DIR = "export"
+ADAPTERS_DIR = "adapters"
 CHECKPOINT_DIR = "checkpoints"
 
 
@@ -186,9 +188,13 @@ def reference_cache(cfg: SFTRunConfig, model: nnx.Module, tokenizer: Tokenizer,
 
 
 def export_model(cfg: SFTRunConfig, state: TrainState, tokenizer: Tokenizer) -> str:
-    """Merge adapters into the base and write a Hugging Face checkpoint to RUN_DIR/export."""
+    """Merge adapters into the base and write a Hugging Face checkpoint to RUN_DIR/export; a
+    LoRA run's adapters also go to RUN_DIR/adapters in PEFT's format."""
     model = policy_of(state.model())
     if has_lora(model):
+        if cfg.quantization is None:  # PEFT adapters over a quantized base would not load
+            save_adapters(model, os.path.join(cfg.run_dir, ADAPTERS_DIR),
+                          base_model_name_or_path=cfg.model.path)
         model = merge_lora(model)
     _dequantize_rest(model)
     directory = os.path.join(cfg.run_dir, EXPORT_DIR)

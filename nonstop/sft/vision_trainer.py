@@ -42,7 +42,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,7 @@ from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM
 from nonstop.models.sharding import MeshShape
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.validation import check, check_choice, check_ints
 from nonstop.models.vision import VISION_LORA_TARGETS, apply_vision_lora, merge_vision_lora
 from nonstop.sft.losses import DPOConfig
 from nonstop.sft.vision_data import (
@@ -108,36 +109,26 @@ class VisionTrainConfig:
     export: bool = True  # merge the adapters and save_pretrained into RUN_DIR/export
 
     def __post_init__(self) -> None:
-        for name, choices in (("kind", VisionTask), ("dtype", Dtype)):
-            if getattr(self, name) not in get_args(choices):
-                raise ValueError(f"VisionTrainConfig.{name}={getattr(self, name)!r}; valid: "
-                                 f"{get_args(choices)}")
+        owner = "VisionTrainConfig"
+        check_choice(owner, "kind", self.kind, VisionTask)
+        check_choice(owner, "dtype", self.dtype, Dtype)
         for name in ("model_path", "data_path", "run_dir"):
-            if not getattr(self, name):
-                raise ValueError(f"VisionTrainConfig.{name} is empty; give a path")
-        for name in ("steps", "batch_size", "seq_len", "max_images"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"VisionTrainConfig.{name} must be >= 1, got "
-                                 f"{getattr(self, name)}")
+            check(bool(getattr(self, name)), owner, name, getattr(self, name), "a path")
+        check_ints(owner, self, ("steps", "batch_size", "seq_len", "max_images"))
         shards = self.mesh.data * self.mesh.fsdp
         for name in ("batch_size", "max_images"):
-            if getattr(self, name) % shards:
-                raise ValueError(f"VisionTrainConfig.{name}={getattr(self, name)} must be a "
-                                 f"multiple of mesh.data x mesh.fsdp = {self.mesh.data} x "
-                                 f"{self.mesh.fsdp} = {shards}: rows and images are split "
-                                 f"evenly over those devices; change {name} or the mesh")
-        if self.vision_lora and not set(self.lora.targets) & set(VISION_LORA_TARGETS):
-            raise ValueError(f"VisionTrainConfig.vision_lora: lora.targets {self.lora.targets} "
-                             f"name no attention projection; the vision tower adapts "
-                             f"{VISION_LORA_TARGETS}")
-        default_total = OptimizerConfig().total_steps
-        if self.optimizer.total_steps not in (default_total, self.steps):
-            raise ValueError(f"VisionTrainConfig.optimizer.total_steps="
-                             f"{self.optimizer.total_steps}: leave it unset, it follows "
-                             f"steps={self.steps}")
-        if self.optimizer.warmup_steps > self.steps:
-            raise ValueError(f"VisionTrainConfig.optimizer.warmup_steps="
-                             f"{self.optimizer.warmup_steps} must be in [0, steps={self.steps}]")
+            check(getattr(self, name) % shards == 0, owner, name, getattr(self, name),
+                  f"a multiple of mesh.data x mesh.fsdp = {self.mesh.data} x {self.mesh.fsdp} = "
+                  f"{shards} (rows and images are split evenly over those devices), or change "
+                  "the mesh")
+        check(not self.vision_lora or bool(set(self.lora.targets) & set(VISION_LORA_TARGETS)),
+              owner, "lora.targets", self.lora.targets,
+              f"with vision_lora, at least one of {VISION_LORA_TARGETS}")
+        check(self.optimizer.total_steps in (OptimizerConfig().total_steps, self.steps), owner,
+              "optimizer.total_steps", self.optimizer.total_steps,
+              f"to be left unset: it follows steps={self.steps}")
+        check(0 <= self.optimizer.warmup_steps <= self.steps, owner, "optimizer.warmup_steps",
+              self.optimizer.warmup_steps, f"an int in [0, steps={self.steps}]")
         object.__setattr__(
             self, "optimizer", dataclasses.replace(self.optimizer, total_steps=self.steps))
 

@@ -173,7 +173,7 @@ def test_example_that_does_not_fit_names_the_file_and_line(checkpoint, tmp_path,
 @pytest.mark.parametrize("override, message", [
     ("optimizer.learning_rat=1e-4", "unknown config key 'optimizer.learning_rat'"),
     ("kind=ppo", "kind='ppo' is invalid; expected one of 'sft', 'dpo'"),
-    ("seq_len=0", "VisionTrainConfig.seq_len must be >= 1, got 0"),
+    ("seq_len=0", "seq_len=0 is invalid; expected an int >= 1"),
     ("model_path=/no/such/ckpt", "model_path='/no/such/ckpt': not a directory"),
     ("data_path=/no/such.jsonl", "data_path='/no/such.jsonl': no such file"),
     ("tokenizer_path=/no/such/tok", "tokenizer directory /no/such/tok does not exist"),

@@ -108,9 +108,9 @@ def test_qlora_trains_and_keeps_base_quantized(kind):
 
 
 def test_config_errors_name_the_problem():
-    with pytest.raises(ValueError, match="rank must be positive"):
+    with pytest.raises(ValueError, match=r"^LoRAConfig\.rank=0 is invalid; expected an int >= 1"):
         LoRAConfig(rank=0)
-    with pytest.raises(ValueError, match=r"lora targets \['wq'\]"):
+    with pytest.raises(ValueError, match=r"^LoRAConfig\.targets=\('wq',\) is invalid"):
         LoRAConfig(targets=("wq",))
     with pytest.raises(ValueError, match=r"^QuantConfig\.kind='fp3' is invalid; expected one of "
                                          r"'nf4', 'int8'"):

@@ -27,8 +27,7 @@ from nonstop.models import Tokenizer, load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
 from nonstop.models.lora import LoRAConfig
 from nonstop.models.multimodal import init_vlm
-from nonstop.models.sharding import make_mesh
-from nonstop.models.sharding import MeshShape
+from nonstop.models.sharding import MeshShape, make_mesh
 from nonstop.sft.vision_data import make_vision_batch
 from nonstop.sft.vision_trainer import (
     VisionTrainConfig,
@@ -217,10 +216,10 @@ def test_two_processes_take_the_same_steps_and_export(runs, base, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(batch_size=6), r"VisionTrainConfig.batch_size=6 must be a multiple of mesh.data x "
-                         r"mesh.fsdp = 2 x 2 = 4"),
-    (dict(max_images=6), r"VisionTrainConfig.max_images=6 must be a multiple of mesh.data x "
-                         r"mesh.fsdp = 2 x 2 = 4"),
+    (dict(batch_size=6), r"VisionTrainConfig.batch_size=6 is invalid; expected a multiple of "
+                         r"mesh.data x mesh.fsdp = 2 x 2 = 4"),
+    (dict(max_images=6), r"VisionTrainConfig.max_images=6 is invalid; expected a multiple of "
+                         r"mesh.data x mesh.fsdp = 2 x 2 = 4"),
 ])
 def test_rows_or_images_not_divisible_by_the_mesh_is_an_error(base, tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
@@ -240,7 +239,7 @@ def test_cli_mesh_keys_are_checked(capsys):
                  "batch_size=6"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "VisionTrainConfig.batch_size=6 must be a multiple of mesh.data x mesh.fsdp" in err
+    assert "batch_size=6 is invalid; expected a multiple of mesh.data x mesh.fsdp" in err
 
 
 if __name__ == "__main__":  # one process of test_two_processes_take_the_same_steps_and_export
