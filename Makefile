@@ -37,8 +37,8 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check nonstop tests bench
 
 # A wheel of the package (with its recipe configs) in dist/.
-dist: $(TEST_STAMP)
-	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+dist: | $(PY)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 clean:
 	rm -rf $(VENV) .pytest_cache dist build
