@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CONFIG_RECORD = "config.yaml"
+CONFIG_RECORD = "config.yaml"  # what nonstop.recipes.run.start_run writes
 CHECKPOINTS = "checkpoints"
 SFT_ALGORITHMS = ("sft", "dpo", "orpo")
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from typing import Any
 
@@ -38,7 +37,6 @@ COMMANDS = {
     "orpo": "odds-ratio preference optimisation",
 }
 CONFIG_CLASS = "nonstop.sft.config:SFTRunConfig"
-CONFIG_RECORD = "config.yaml"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,9 +78,7 @@ def _algorithm_in_file(path: str | None) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     """Train as configured; returns the process exit code."""
     # Imported here so that `nonstop sft --help` does not pay for JAX.
-    import yaml
-
-    from nonstop.recipes.config_io import dump_config
+    from nonstop.recipes.run import start_run
     from nonstop.recipes.sft_data import prepare_run
     from nonstop.sft.config import SFTRunConfig
     from nonstop.sft.trainer import train
@@ -96,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return print_config(cfg)
     try:
         cfg, tokenizer = prepare_run(cfg)
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, CONFIG_RECORD), "w", encoding="utf-8") as handle:
-            yaml.safe_dump(dump_config(cfg), handle, sort_keys=False)
+        start_run(cfg, cfg.run_dir)
         result = train(cfg, tokenizer=tokenizer)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
         # ValueError covers ConfigError, CheckpointError and the data errors.

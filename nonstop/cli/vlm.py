@@ -31,7 +31,6 @@ not fit — stops the run with a message naming the key or the file and line (ex
 from __future__ import annotations
 
 import argparse
-import os
 
 from nonstop.cli.config_command import (
     add_config_command,
@@ -41,7 +40,6 @@ from nonstop.cli.config_command import (
 )
 
 COMMAND = "nonstop vlm"
-CONFIG_RECORD = "config.yaml"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -55,9 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Train as configured; returns the process exit code."""
     # Imported here so that `nonstop vlm --help` does not pay for JAX.
-    import yaml
-
-    from nonstop.recipes.config_io import dump_config
+    from nonstop.recipes.run import start_run
     from nonstop.sft.vision_trainer import VisionTrainConfig, train_vision
 
     cfg = load_or_report(VisionTrainConfig, args, COMMAND)
@@ -66,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(cfg)
     try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, CONFIG_RECORD), "w", encoding="utf-8") as handle:
-            yaml.safe_dump(dump_config(cfg), handle, sort_keys=False)
+        start_run(cfg, cfg.run_dir)
         result = train_vision(cfg)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
         # ValueError covers ConfigError, CheckpointError, VisionDataError and ImageError.
