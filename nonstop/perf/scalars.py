@@ -76,7 +76,7 @@ class PrometheusExporter:
         except ImportError as err:  # optional dependency
             raise RuntimeError(
                 f"PerfConfig.prometheus_port={config.prometheus_port} needs prometheus_client; "
-                "install it or leave prometheus_port=None"
+                "pip install 'nonstop[prometheus]' or leave prometheus_port=None"
             ) from err
 
         class _Collector:

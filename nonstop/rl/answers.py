@@ -109,18 +109,18 @@ def resolve_math_backend(backend: MathBackend) -> Literal["math_verify", "sympy"
     have_sympy = importlib.util.find_spec("sympy") is not None
     if backend == "math_verify" and not have_mv:
         raise ImportError(
-            "backend='math_verify' needs the math-verify package: pip install math-verify"
+            "backend='math_verify' needs the math-verify package: pip install 'nonstop[math]'"
         )
     if backend == "sympy" and not have_sympy:
-        raise ImportError("backend='sympy' needs SymPy: pip install sympy")
+        raise ImportError("backend='sympy' needs SymPy: pip install 'nonstop[math]'")
     if backend == "auto":
         if have_mv:
             return "math_verify"
         if have_sympy:
             return "sympy"
         raise ImportError(
-            "math answer checking needs math-verify (preferred: pip install math-verify) or SymPy "
-            "(pip install sympy); neither is installed"
+            "math answer checking needs math-verify or SymPy (pip install 'nonstop[math]'); "
+            "neither is installed"
         )
     if backend not in ("math_verify", "sympy"):
         raise ValueError(

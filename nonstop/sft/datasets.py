@@ -80,7 +80,7 @@ def _import_pyarrow_parquet() -> Any:
     except ImportError:
         raise ImportError(
             "reading Parquet files needs pyarrow, which is not installed; install it with "
-            "`pip install pyarrow` (or convert the data to JSONL)"
+            "`pip install 'nonstop[parquet]'` (or convert the data to JSONL)"
         ) from None
     return parquet
 

@@ -135,7 +135,7 @@ def test_sympy_path_refuses_code_and_huge_powers() -> None:
 
 @pytest.mark.skipif(HAVE_MATH_VERIFY, reason="math-verify is installed")
 def test_math_verify_backend_missing_is_a_clear_error() -> None:
-    with pytest.raises(ImportError, match="pip install math-verify"):
+    with pytest.raises(ImportError, match=r"pip install 'nonstop\[math\]'"):
         math_verify(backend="math_verify")
 
 

@@ -72,7 +72,7 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` fail
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(ImportError, match=r"pip install 'nonstop\[parquet\]'"):
         ParquetSource(path)
 
 

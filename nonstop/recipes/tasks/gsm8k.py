@@ -92,7 +92,11 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _parquet_records(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise TaskError(f"{path}: reading Parquet needs pyarrow: pip install 'nonstop[parquet]' "
+                        "(or convert the file to JSONL)") from None
 
     schema = pq.read_schema(path)
     missing = [f for f in fields if f not in schema.names]
