@@ -1,9 +1,10 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors).
 
-`load_pretrained` builds the decoder with shape-only parameters, then streams each tensor from
-the memory-mapped files, converts it to our layout and dtype, and places it directly onto its
-sharding (`jax.make_array_from_callback`, so each process materialises only its own shards);
-one tensor at a time is resident on the host. Every expected tensor must be present with its
+`load_pretrained` builds the decoder with shape-only parameters, then reads each tensor from the
+safetensors files into one reused host buffer and places it on its sharding in our layout and
+the parameter dtype (`placement.place`: transposed on the host for CPU devices, on the devices
+otherwise; `jax.make_array_from_callback`, so each device receives only its own shard). One
+tensor at a time is in flight on the host. Every expected tensor must be present with its
 expected shape, and every tensor present must be used: anything else is an error naming the
 tensor and the file.
 """
@@ -25,7 +26,8 @@ from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import Decoder, abstract_decoder
 from nonstop.models.hf_weights import IGNORED_SUFFIXES, WeightSpec, weight_specs
 from nonstop.models.multimodal import Gemma3VLM, is_vlm_config
-from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
+from nonstop.models.placement import place
+from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader, aligned_buffer
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,6 @@ def _check_tensors(reader: SafetensorsReader, specs: list[WeightSpec], cfg: Mode
                               f"{cfg.family} decoder has no parameter for it")
 
 
-def _to_layout(view: np.ndarray, spec: WeightSpec, dtype: np.dtype) -> np.ndarray:
-    """Our layout and dtype, C-contiguous; the view itself when nothing changes.
-
-    Strided copies of ml_dtypes' bfloat16 go element by element; transposing the same bytes as
-    uint16 uses numpy's native copy loops and is an order of magnitude faster.
-    """
-    raw = view.view(np.uint16) if view.dtype.itemsize == 2 else view
-    moved = np.ascontiguousarray(spec.to_ours(raw)).view(view.dtype)
-    return moved if moved.dtype == dtype else moved.astype(dtype)
-
-
 def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
                     param_dtype: jnp.dtype | None = None, mesh: Mesh | None = None,
                     rules: ShardingRules = DEFAULT_RULES) -> Decoder | Gemma3VLM:
@@ -89,26 +80,20 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     graphdef, abstract = nnx.split(abstract_decoder(cfg, dtype=dtype, param_dtype=param_dtype))
     with SafetensorsReader(path) as reader:
         _check_tensors(reader, specs, cfg)
+        staging = aligned_buffer(max(e.end - e.start for e in reader.entries.values()))
         for var_path, var in nnx.to_flat_state(abstract):
             spec = by_path.get(tuple(var_path))
             if spec is None:
                 raise CheckpointError(f"internal: parameter {var_path} has no checkpoint tensor")
-            view = reader.view(spec.hf_name)
-            host = _to_layout(view, spec, np.dtype(param_dtype))
-            copied = not np.shares_memory(host, view)
-            del view
-            if copied:  # the mapped pages are no longer needed: drop them before the device copy
-                reader.release(spec.hf_name)
+            ours = spec.to_ours(reader.read(spec.hf_name, into=staging))
             if mesh is None:
                 sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             else:
-                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, host.shape, mesh))
-            array = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
-            array.block_until_ready()
+                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, ours.shape, mesh))
+            array = place(ours, np.dtype(param_dtype), sharding, borrowed=True)
+            array.block_until_ready()  # before the next tensor overwrites `staging`
             var.set_value(array)
-            del host
-            if not copied:
-                reader.release(spec.hf_name)
+            del ours
     return nnx.merge(graphdef, abstract)
 
 

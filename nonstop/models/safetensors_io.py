@@ -1,17 +1,20 @@
-"""Tensor-by-tensor reading of (possibly sharded) safetensors checkpoints through mmap.
+"""Tensor-by-tensor reading of (possibly sharded) safetensors checkpoints.
 
-The safetensors library copies whole tensors out of a mapping it keeps open for the file's
-lifetime, so every page of a shard stays resident until the shard is closed. Loading large
-checkpoints with a bounded footprint needs the opposite: view one tensor in the mapping,
-convert it, hand it to the device, then tell the kernel its pages can go (MADV_DONTNEED). The
-header format is the published safetensors one (8-byte little-endian length, JSON header).
+Each tensor is read with one `readinto` into its own 64-byte-aligned buffer: one copy out of the
+page cache, and nothing mapped, so the host holds only the tensors in flight. A memory map would
+save that copy but not the pages (they count as resident until dropped), and on CPU JAX adopts
+aligned host arrays without copying, so a model placed from mapped views would keep reading the
+file after loading (`safetensors.numpy.load_file` returns a whole shard's tensors at once, so a
+shard is resident before anything is placed). The header format is the published safetensors one (8-byte little-endian length, JSON header); every offset is
+checked against the file's size when the header is read, so a truncated file is an error naming
+the file and the first tensor it cuts off.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
@@ -27,10 +30,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
-# Fault a tensor's pages in with one call instead of one page fault per 4 KiB (Linux >= 5.14's
-# MADV_POPULATE_READ; plain read-ahead elsewhere).
-_POPULATE = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None) \
-    or getattr(mmap, "MADV_WILLNEED", None)
+_ALIGN = 64  # JAX's CPU client adopts host buffers aligned to this without a copy
 
 
 class CheckpointError(ValueError):
@@ -47,14 +47,20 @@ class TensorEntry:
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors a safetensors file holds, each checked to lie within the file."""
+    size = os.path.getsize(file)
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CheckpointError(f"{file}: not a safetensors file (shorter than its header)")
         (length,) = struct.unpack("<Q", raw)
-        if length > os.path.getsize(file):
-            raise CheckpointError(f"{file}: corrupt safetensors header length {length}")
-        header = json.loads(f.read(length))
+        if 8 + length > size:
+            raise CheckpointError(f"{file}: corrupt or truncated: header length {length} but the "
+                                  f"file has {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: not a safetensors file (header is not JSON: {e})") from e
     base = 8 + length
     entries = {}
     for name, meta in header.items():
@@ -62,9 +68,17 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
             continue
         if meta["dtype"] not in DTYPES:
             raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+        dtype, shape = DTYPES[meta["dtype"]], tuple(meta["shape"])
         start, end = meta["data_offsets"]
-        entries[name] = TensorEntry(file=file, dtype=DTYPES[meta["dtype"]],
-                                    shape=tuple(meta["shape"]), start=base + start, end=base + end)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - start != nbytes:
+            raise CheckpointError(f"{file}: tensor {name!r} ({meta['dtype']} {list(shape)}) needs "
+                                  f"{nbytes} bytes but its data_offsets span {end - start}")
+        if base + end > size:
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at byte {base + end} "
+                                  f"but the file has {size} bytes; re-download or re-save it")
+        entries[name] = TensorEntry(file=file, dtype=dtype, shape=shape,
+                                    start=base + start, end=base + end)
     return entries
 
 
@@ -89,8 +103,15 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return found
 
 
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 buffer of `nbytes` starting on a 64-byte boundary."""
+    buffer = np.empty(nbytes + _ALIGN, np.uint8)
+    skip = -buffer.ctypes.data % _ALIGN
+    return buffer[skip:skip + nbytes]
+
+
 class SafetensorsReader:
-    """Random access to every tensor of a checkpoint, one tensor resident at a time."""
+    """Random access to every tensor of a checkpoint, each read with one copy from the file."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -101,47 +122,36 @@ class SafetensorsReader:
                     raise CheckpointError(f"tensor {name!r} appears in both "
                                           f"{self.entries[name].file.name} and {file.name}")
                 self.entries[name] = entry
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._files: dict[Path, object] = {}
+        self._files: dict[Path, io.FileIO] = {}
 
-    def _map(self, file: Path) -> mmap.mmap:
-        if file not in self._maps:
-            f = open(file, "rb")  # noqa: SIM115 - closed in close()
-            self._files[file] = f
-            self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return self._maps[file]
-
-    def view(self, name: str) -> np.ndarray:
-        """A read-only array viewing the mapped bytes (valid until `release`/`close`)."""
+    def read(self, name: str, into: np.ndarray | None = None) -> np.ndarray:
+        """Tensor `name` as a host array in `into` (an `aligned_buffer` of at least its size,
+        reused across tensors) or, without one, in a fresh aligned buffer."""
         e = self.entries[name]
-        count = int(np.prod(e.shape)) if e.shape else 1
-        self._advise(e, _POPULATE)
-        arr = np.frombuffer(self._map(e.file), dtype=e.dtype, count=count, offset=e.start)
-        return arr.reshape(e.shape)
-
-    def release(self, name: str) -> None:
-        """Let the kernel drop the tensor's pages (they are re-read from disk if touched again)."""
-        self._advise(self.entries[name], getattr(mmap, "MADV_DONTNEED", None))
-
-    def _advise(self, e: TensorEntry, advice: int | None) -> None:
-        page = mmap.PAGESIZE
-        start = (e.start // page) * page
-        if advice is None or e.end <= start:
-            return
-        try:
-            self._map(e.file).madvise(advice, start, e.end - start)
-        except OSError:  # an older kernel without this advice: only slower, never wrong
-            pass
+        nbytes = e.end - e.start
+        if into is None:
+            into = aligned_buffer(nbytes)
+        elif into.nbytes < nbytes or into.ctypes.data % _ALIGN:
+            raise ValueError(f"read({name!r}): buffer of {into.nbytes} bytes at alignment "
+                             f"{into.ctypes.data % _ALIGN} cannot hold {nbytes} aligned bytes")
+        data = into.reshape(-1).view(np.uint8)[:nbytes]
+        if e.file not in self._files:
+            self._files[e.file] = io.FileIO(e.file, "r")
+        f = self._files[e.file]
+        f.seek(e.start)
+        view, done = memoryview(data), 0
+        while done < nbytes:  # one read(2) returns at most ~2 GiB
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{e.file}: truncated while reading tensor {name!r} "
+                                      f"(got {done} of {nbytes} bytes; was the file rewritten "
+                                      "during loading?)")
+            done += got
+        return data.view(e.dtype).reshape(e.shape)
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a caller still holds a view; the mapping goes with it
-                pass
         for f in self._files.values():
-            f.close()  # type: ignore[attr-defined]
-        self._maps.clear()
+            f.close()
         self._files.clear()
 
     def __enter__(self) -> SafetensorsReader:

@@ -28,6 +28,7 @@ from nonstop.models.hf_weights import (
     weight_specs,
 )
 from nonstop.models.multimodal import Gemma3VLM, VLMConfig, abstract_vlm
+from nonstop.models.placement import place
 from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
 
 # Prefix rewrites from other layouts to the one we write, tried in order.
@@ -104,6 +105,7 @@ def load_vlm(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     graphdef, abstract = nnx.split(abstract_vlm(cfg, dtype=dtype, param_dtype=param_dtype))
     flat = {tuple(p): var for p, var in nnx.to_flat_state(abstract)}
     loaded: set[str] = set()
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     with SafetensorsReader(path) as reader:
         for name, entry in reader.entries.items():
             canon = canonical_name(name)
@@ -118,9 +120,8 @@ def load_vlm(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
             if tuple(entry.shape) != spec.hf_shape:
                 raise CheckpointError(f"{entry.file}: tensor {name!r} has shape {entry.shape}, "
                                       f"but config.json implies {spec.hf_shape}")
-            host = np.ascontiguousarray(spec.to_ours(np.asarray(reader.view(name))))
-            flat[spec.path].set_value(jnp.asarray(host.astype(np.dtype(param_dtype))))
-            reader.release(name)
+            flat[spec.path].set_value(place(spec.to_ours(reader.read(name)), np.dtype(param_dtype),
+                                            device, borrowed=False))
             loaded.add(canon)
     missing = sorted(set(specs) - loaded)
     if missing:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -89,3 +90,45 @@ def test_missing_required_config_field(checkpoint, tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_pretrained(tmp_path / "nope")
+
+
+def _last_tensor(file):
+    """The tensor stored last in a safetensors file (the one a truncation cuts first)."""
+    length = int.from_bytes(file.read_bytes()[:8], "little")
+    header = json.loads(file.read_bytes()[8:8 + length])
+    header.pop("__metadata__", None)
+    return max(header, key=lambda name: header[name]["data_offsets"][1])
+
+
+def test_truncated_file_names_file_and_tensor(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    file = path / "model.safetensors"
+    last = _last_tensor(file)
+    file.write_bytes(file.read_bytes()[:-5])
+    with pytest.raises(CheckpointError,
+                       match=rf"model\.safetensors: truncated: tensor '{re.escape(last)}'"):
+        load_pretrained(path)
+
+
+def test_truncated_header_is_named(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated"):
+        load_pretrained(path)
+
+
+def test_data_offsets_that_disagree_with_the_shape(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    file = path / "model.safetensors"
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    header["model.norm.weight"]["shape"] = [2, header["model.norm.weight"]["shape"][0]]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))  # same header length, so every offset stays valid
+    assert len(text) == length
+    file.write_bytes(raw[:8] + text + raw[8 + length:])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.norm\.weight' "
+                                              r"\(F32 \[2, \d+\]\) needs \d+ bytes"):
+        load_pretrained(path)
