@@ -7,16 +7,15 @@ its `engine/device_busy` interval reads as a light bar with a dark core. Each ro
 device-busy intervals also gets a summary row of their union. Below: a time axis in seconds and
 a legend of the stage colours.
 
-Drawn with numpy into an RGB array and written as a PNG with zlib (no plotting library is a
-dependency of nonstop); text uses a built-in 5x7 pixel font, lower case only.
+Drawn with Pillow (`ImageDraw` rectangles and lines, `ImageFont.load_default()` for text).
 """
 
 import dataclasses
-import struct
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 from nonstop.perf import stages
 from nonstop.perf.analysis import Window, merge, window_of
@@ -46,22 +45,6 @@ _PALETTE: list[RGB] = [
     (120, 200, 120), (180, 180, 60), (90, 150, 150),
 ]  # fmt: skip
 ROLE_ORDER = (stages.ENGINE, stages.TRAINER, stages.ROLLOUT)
-
-# 5x7 glyphs: each character is followed by 7 base-32 digits, one 5-bit row each, top first.
-_FONT_SRC = (
-    "a00e1fhf bggmphhu c00egghe d11djhhf e00ehvge f698s888 g00fhf1e hggmphhh i40c444e j20622ic "
-    "kggikoki lc44444e m00qllhh n00mphhh o00ehhhe p00uhugg q00djf11 r00mpggg s00ege1u t88s8896 "
-    "u00hhhjd v00hhha4 w00hhlla x00ha4ah y00hhf1e z00v248v 0ehjlphe 14c4444e 2eh1248v 3v2421he "
-    "426aiv22 5vgu11he 668guhhe 7v124888 8ehhehhe 9ehhf12c .00000cc ,0000c48 :0cc0cc0 /01248g0 "
-    "_000000v -000v000 %op248j3 (2488842 )8422248 +044v440 =00v0v00 @ehnlnge #aavavaa ?eh12404 "
-    "<248g842 >8421248"
-)
-_FONT: dict[str, np.ndarray] = {
-    g[0]: np.array([[(int(d, 32) >> (4 - c)) & 1 for c in range(5)] for d in g[1:]], bool)
-    for g in _FONT_SRC.split()
-}
-_FONT[" "] = np.zeros((7, 5), bool)
-CHAR_W, CHAR_H = 6, 7
 
 ROW_H = 16
 LABEL_W = 170
@@ -95,18 +78,13 @@ def colour_of(name: str) -> RGB:
     return _PALETTE[zlib.crc32(name.encode()) % len(_PALETTE)]
 
 
-def _text(
-    img: np.ndarray, x: int, y: int, text: str, colour: RGB = INK, max_chars: int = 0
-) -> None:
-    if max_chars and len(text) > max_chars:
-        text = text[: max_chars - 1] + "~"
-    h, w, _ = img.shape
-    for i, ch in enumerate(text.lower()):
-        glyph = _FONT.get(ch, _FONT["?"])
-        cx = x + i * CHAR_W
-        if cx + 5 > w or y + 7 > h or cx < 0 or y < 0:
-            continue
-        img[y : y + 7, cx : cx + 5][glyph] = colour
+def _fitted(draw: ImageDraw.ImageDraw, text: str, max_px: float) -> str:
+    """`text`, cut short with "~" so that it is at most `max_px` wide."""
+    if draw.textlength(text) <= max_px:
+        return text
+    while text and draw.textlength(text + "~") > max_px:
+        text = text[:-1]
+    return text + "~"
 
 
 def _tracks(events: Sequence[Event]) -> dict[tuple[str, int, int, str | None], list[Event]]:
@@ -175,58 +153,68 @@ def render_timeline(
     names = sorted({e.name for e in events if e.ph == "X"}, key=lambda n: (stages.role_of(n), n))
     legend_per_line = max(1, (width - 2 * MARGIN) // 190)
     legend_lines = -(-len(names) // legend_per_line) if names else 0
-    header = 2 * MARGIN + CHAR_H
-    height = header + len(layout) * ROW_H + len(roles) * 4 + 24 + legend_lines * 12 + MARGIN
-    img = np.full((height, width, 3), BACKGROUND, np.uint8)
+    font = ImageFont.load_default()
+    text_h = font.getbbox("Ag")[3]
+    header = 2 * MARGIN + text_h
+    height = header + len(layout) * ROW_H + len(roles) * 4 + 24 + legend_lines * 14 + MARGIN
+    img = Image.new("RGB", (width, height), BACKGROUND)
+    draw = ImageDraw.Draw(img)
     x0, x1 = LABEL_W, width - MARGIN - 1
     span_ns = max(hi - lo, 1)
 
     def x_of(t: int) -> int:
         return x0 + round((min(max(t, lo), hi) - lo) / span_ns * (x1 - x0))
 
-    _text(img, MARGIN, MARGIN, title, max_chars=(width - 2 * MARGIN) // CHAR_W)
+    def bar(a: int, b: int, top: int, bottom: int, colour: RGB) -> None:
+        """Pixel columns [a, b) and rows [top, bottom), as numpy slices would say."""
+        draw.rectangle((a, top, max(b, a + 1) - 1, bottom - 1), fill=colour)
+
+    draw.text((MARGIN, MARGIN), _fitted(draw, title, width - 2 * MARGIN), fill=INK, font=font)
     step_s = _tick_step(span_ns / 1e9)
-    top_plot, y = header, header
+    ticks = []
+    t = 0.0
+    while lo + t * 1e9 <= hi:
+        ticks.append((t, x_of(lo + round(t * 1e9))))
+        t += step_s
+    separators = sum(1 for i in range(1, len(layout)) if layout[i][0] != layout[i - 1][0])
+    top_plot, bottom_plot = header, header + len(layout) * ROW_H + separators * 4
+    for _, x in ticks:  # grid first: spans drawn later cover it
+        draw.line((x, top_plot, x, bottom_plot - 1), fill=GRID)
+    y = header
     rows: dict[str, tuple[int, int]] = {}
     previous_role = None
     for role, label, spans in layout:
         if previous_role is not None and role != previous_role:
-            img[y + 1, x0 - LABEL_W + MARGIN : x1 + 1] = GRID
+            draw.line((MARGIN, y + 1, x1, y + 1), fill=GRID)
             y += 4
         previous_role = role
         rows[label if label not in rows else f"{label} #{len(rows)}"] = (y, y + ROW_H)
-        _text(img, MARGIN, y + 4, label, max_chars=(LABEL_W - MARGIN - 4) // CHAR_W)
+        draw.text((MARGIN, y + (ROW_H - text_h) // 2), _fitted(draw, label, LABEL_W - MARGIN - 4),
+                  fill=INK, font=font)  # fmt: skip
         if spans is None:
             busy_name = stages.device_busy_name(role)
             intervals = merge((e.t0, e.t1) for e in events if e.ph == "X" and e.name == busy_name)
             for a, b in intervals:
-                img[y + 2 : y + ROW_H - 2, x_of(a) : max(x_of(b), x_of(a) + 1)] = BUSY
+                bar(x_of(a), x_of(b), y + 2, y + ROW_H - 2, BUSY)
         else:
             for e, depth in zip(spans, _depths(spans), strict=True):
                 inset = min(2 + 3 * depth, ROW_H // 2 - 1)
-                a, b = x_of(e.t0), max(x_of(e.t1), x_of(e.t0) + 1)
-                img[y + inset : y + ROW_H - inset, a:b] = colour_of(e.name)
+                bar(x_of(e.t0), x_of(e.t1), y + inset, y + ROW_H - inset, colour_of(e.name))
         y += ROW_H
-    bottom_plot = y
-    t = 0.0
-    while lo + t * 1e9 <= hi:
-        x = x_of(lo + round(t * 1e9))
-        column = img[top_plot:bottom_plot, x]
-        blank = (column == BACKGROUND).all(axis=-1)
-        column[blank] = GRID
-        img[bottom_plot : bottom_plot + 4, x] = INK
+    for t, x in ticks:
+        draw.line((x, bottom_plot, x, bottom_plot + 3), fill=INK)
         label = f"{t:g}s"
-        _text(img, min(x - len(label) * CHAR_W // 2, width - len(label) * CHAR_W), bottom_plot + 6,
-              label)  # fmt: skip
-        t += step_s
-    img[bottom_plot, x0 : x1 + 1] = INK
+        half = draw.textlength(label) / 2
+        draw.text((min(max(x - half, 0), width - 2 * half), bottom_plot + 6), label, fill=INK,
+                  font=font)  # fmt: skip
+    draw.line((x0, bottom_plot, x1, bottom_plot), fill=INK)
     y = bottom_plot + 24
     for i, name in enumerate(names):
         lx = MARGIN + (i % legend_per_line) * 190
-        ly = y + (i // legend_per_line) * 12
-        img[ly : ly + 8, lx : lx + 12] = colour_of(name)
-        _text(img, lx + 16, ly, name, max_chars=28)
-    write_png(path, img)
+        ly = y + (i // legend_per_line) * 14
+        bar(lx, lx + 12, ly + 2, ly + 10, colour_of(name))
+        draw.text((lx + 16, ly), _fitted(draw, name, 170), fill=INK, font=font)
+    img.save(path, format="PNG")
     return Timeline(
         path=path,
         width=width,
@@ -239,19 +227,8 @@ def render_timeline(
     )
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
 def write_png(path: str, rgb_HWC: np.ndarray) -> None:
-    """Write a uint8[H, W, 3] image as an 8-bit RGB PNG (no interlace, filter 0 on every row)."""
+    """Write a uint8[H, W, 3] image as an 8-bit RGB PNG."""
     if rgb_HWC.dtype != np.uint8 or rgb_HWC.ndim != 3 or rgb_HWC.shape[2] != 3:
         raise ValueError(f"write_png: need uint8[H, W, 3], got {rgb_HWC.dtype}{rgb_HWC.shape}")
-    h, w, _ = rgb_HWC.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8), rgb_HWC.reshape(h, w * 3)], axis=1)
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n")
-        f.write(_chunk(b"IHDR", header))
-        f.write(_chunk(b"IDAT", zlib.compress(raw.tobytes(), 6)))
-        f.write(_chunk(b"IEND", b""))
+    Image.fromarray(rgb_HWC, "RGB").save(path, format="PNG")
