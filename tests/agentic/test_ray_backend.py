@@ -36,6 +36,7 @@ from nonstop.agentic.streaming import StreamingLearner  # noqa: E402
 from nonstop.engine import Engine, EngineConfig  # noqa: E402
 from nonstop.models.chat import ToolCall  # noqa: E402
 from nonstop.models.config import ConfigError  # noqa: E402
+from nonstop.models.source import build_model, build_tokenizer  # noqa: E402
 from nonstop.recipes.agentic_recipe import (  # noqa: E402
     AgenticRunConfig,
     agent_config,
@@ -44,7 +45,6 @@ from nonstop.recipes.agentic_recipe import (  # noqa: E402
     run_agentic,
 )
 from nonstop.recipes.config_io import load_config  # noqa: E402
-from nonstop.recipes.rl_recipe import build_model, build_tokenizer  # noqa: E402
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig  # noqa: E402
 
 TINY = Path(__file__).parents[2] / "nonstop/recipes/configs/agentic_calculator_tiny.yaml"
@@ -86,7 +86,7 @@ def recipe():
 def _orchestrator(recipe, new_env, concurrency=12):
     cfg, tokenizer, engine = recipe
     config = OrchestratorConfig(group_size=cfg.group_size, max_concurrency=concurrency,
-                                seed=cfg.seed, agent=agent_config(cfg, tokenizer, 1.0))
+                                seed=cfg.seed, agent=agent_config(cfg, tokenizer))
     return RolloutOrchestrator(engine, interaction_factory(cfg, tokenizer, cfg.seed, new_env),
                                config)
 
@@ -223,7 +223,7 @@ def test_a_killed_actor_mid_training_drops_its_groups_and_training_goes_on(local
         algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
         seed=cfg.seed))
     learner_cfg = StreamingLearnerConfig(groups_per_step=2, max_staleness=1, orchestrator=OrchestratorConfig(
-        group_size=2, max_concurrency=8, seed=cfg.seed, agent=agent_config(cfg, tokenizer, 1.0)))
+        group_size=2, max_concurrency=8, seed=cfg.seed, agent=agent_config(cfg, tokenizer)))
     factory = functools.partial(SlowCalculatorEnv, 1.0)
     with RayEnvironmentPool(factory, RayEnvConfig(num_actors=2, max_concurrency=8,
                                                   **SMALL_ACTORS)) as pool:

@@ -13,9 +13,10 @@ from nonstop.agentic.config import AgentConfig
 from nonstop.cli.main import main
 from nonstop.cli.sft import load_run_config
 from nonstop.models import ModelConfig, init_decoder, save_pretrained
+from nonstop.models.source import build_model, build_tokenizer
 from nonstop.recipes.agentic_recipe import AgenticRunConfig
 from nonstop.recipes.config_io import load_config
-from nonstop.recipes.rl_recipe import RLRunConfig, build_model, build_tokenizer
+from nonstop.recipes.rl_recipe import RLRunConfig
 from nonstop.sft.config import SFTRunConfig
 from nonstop.sft.trainer import build_train_model as build_sft_model
 from nonstop.sft.trainer import load_tokenizer
