@@ -61,8 +61,8 @@ class PlacementConfig:
         check_choice("PlacementConfig", "mode", self.mode, PlacementMode)
         check(self.mode != "colocated" or self.engine.num_devices == self.trainer.num_devices,
               "PlacementConfig", "engine", self.engine,
-              f"as many devices as trainer ({self.trainer.num_devices}): colocated engine and "
-              "trainer share their devices (or set mode='disaggregated')")
+              f"the same number of devices as trainer ({self.trainer.num_devices}): colocated "
+              "engine and trainer share their devices (or set mode='disaggregated')")
 
 
 @dataclasses.dataclass(frozen=True)
