@@ -42,7 +42,13 @@ from nonstop.agentic.ray_backend import (
     init_ray,
 )
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
-from nonstop.agentic.streaming import StalenessGate, StepRecord, StreamingLearner, SyncLearner
+from nonstop.agentic.streaming import (
+    NoSamplesError,
+    StalenessGate,
+    StepRecord,
+    StreamingLearner,
+    SyncLearner,
+)
 from nonstop.agentic.tools import Tool, ToolError, ToolErrorKind, ToolResult, ToolSet
 from nonstop.agentic.trajectory_builder import (
     ChatInteraction,
@@ -52,6 +58,7 @@ from nonstop.agentic.trajectory_builder import (
 )
 
 __all__ = [
+    "NoSamplesError",
     "Agent",
     "AgentConfig",
     "GroupQueueConfig",

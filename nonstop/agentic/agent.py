@@ -35,7 +35,7 @@ from nonstop.engine import Engine, SamplingParams
 from nonstop.rl.trajectory import Trajectory
 
 EpisodeStatus = Literal["done", "max_turns", "max_tokens", "context_full", "timeout", "error"]
-EPISODE_STATUS = "rollout/episode_status"  # counter, tagged status=...
+EPISODE_STATUS = perf.ROLLOUT_EPISODE_STATUS  # counter, tagged status=...
 
 
 class StepTimeoutError(RuntimeError):

@@ -28,6 +28,7 @@ each part.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import time
@@ -42,6 +43,7 @@ from nonstop.agentic.group_queue import GroupQueue, ScoredGroup, advantages_of
 from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
 from nonstop.engine import Engine
 from nonstop.rl.policy_trainer import PolicyTrainer
+from nonstop.rl.trajectory import Trajectory
 from nonstop.train import distributed
 
 
@@ -113,6 +115,21 @@ class StalenessGate:
         self._changed = asyncio.Event()
 
 
+class NoSamplesError(RuntimeError):
+    """A step's episodes all ended before the policy sampled a token: nothing to train on."""
+
+
+def no_samples_cause(step: int, trajectories: list[Trajectory]) -> str:
+    """Why a step has nothing to train on: its episodes' outcomes and prompt lengths."""
+    outcomes = collections.Counter(str(t.info.get("status", "unknown")) for t in trajectories)
+    prompts = [t.prompt_length for t in trajectories]
+    said = ", ".join(f"{status} x{n}" for status, n in outcomes.most_common())
+    return (f"step {step}: none of its {len(trajectories)} episodes sampled a token (outcomes: "
+            f"{said}; prompts of {min(prompts)}-{max(prompts)} tokens). An episode that ends "
+            "context_full before sampling has a prompt that fills the engine's context: raise "
+            "engine.max_len (or agent.max_context_tokens), or shorten the prompt")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """One learner step: which groups, what the trainer reported, how stale, where time went."""
@@ -120,7 +137,7 @@ class StepRecord:
     version: int  # the policy version trained (k)
     group_ids: tuple[int, ...]
     metrics: dict[str, float]
-    staleness: tuple[int, ...]  # per episode: version - its oldest token's version
+    staleness: tuple[int, ...]  # per episode that sampled: version - its oldest token's version
     reward_mean: float
     data_wait_s: float
     train_s: float
@@ -159,8 +176,11 @@ class _Learner:
         groups = sorted(groups, key=lambda g: g.group_id)
         trajectories = [t for g in groups for t in g.trajectories]
         k = self.version
-        staleness = tuple(k - t.min_version for t in trajectories)
-        for t, lag in zip(trajectories, staleness, strict=True):
+        sampled = [t for t in trajectories if t.loss_mask.any()]
+        if not sampled and self.processes == 1:  # (several: the others' steps may have data)
+            raise NoSamplesError(no_samples_cause(k, trajectories))
+        staleness = tuple(k - t.min_version for t in sampled)
+        for t, lag in zip(sampled, staleness, strict=True):
             perf.gauge(perf.TRAIN_STALENESS, lag, episode=t.episode_id, step=k)
         t0 = time.perf_counter()
         kl_sum = 0.0

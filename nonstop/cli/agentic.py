@@ -39,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.print_config:
         return print_config(cfg)
+    from nonstop.agentic import NoSamplesError
+
     try:
         s = run_agentic(cfg)
-    except bad_input_errors() as error:
+    except (*bad_input_errors(), NoSamplesError) as error:
         return report_error(COMMAND, error)
     print(f"solve rate: {s['solve_rate_before']:.1%} before, {s['solve_rate_after']:.1%} after "
           f"{s['steps']} steps ({s['seconds']:.0f}s); run dir {s['run_dir']}; "

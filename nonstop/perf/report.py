@@ -159,6 +159,7 @@ class Report:
     mfu: float | None
     findings: list[str]  # who waited on whom
     advice: list[str]
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # episode status → count
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -359,6 +360,7 @@ def build_report(
         mfu=mfu(events, peak_flops_per_s, window) if peak_flops_per_s and has_flops else None,
         findings=[],
         advice=[],
+        outcomes=episode_outcomes(events),
     )
     report.findings.extend(findings(report))
     report.advice.extend(advice(report, dropped=log.dropped))
@@ -407,9 +409,38 @@ def findings(report: Report) -> list[str]:
     return out
 
 
+def episode_outcomes(events: Sequence[Event]) -> dict[str, int]:
+    """How the run's episodes ended (done, max_turns, context_full, timeout, error, ...)."""
+    counts: dict[str, int] = {}
+    for e in events:
+        if e.ph == "C" and e.name == stages.ROLLOUT_EPISODE_STATUS:
+            status = str(e.tags.get("status", "unknown"))
+            counts[status] = counts.get(status, 0) + int(e.value)
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def outcome_advice(outcomes: dict[str, int]) -> list[str]:
+    """Advice on how episodes ended; it comes before any advice on speed, which means little
+    while episodes end without a useful sample."""
+    total = sum(outcomes.values())
+    out: list[str] = []
+    if not total:
+        return out
+    full = outcomes.get("context_full", 0)
+    if full / total >= 0.5:
+        out.append(f"{_pct(full / total)} of episodes ended context_full: their context (prompt, "
+                   "turns, observations) filled the engine's; raise engine.max_len or "
+                   "agent.max_context_tokens, or shorten the prompt or the turns")
+    failed = outcomes.get("error", 0) + outcomes.get("timeout", 0)
+    if failed / total >= NOTABLE:
+        out.append(f"{_pct(failed / total)} of episodes failed (error or timeout; their groups "
+                   "are dropped): see each episode's info['error'] in the trajectories or logs")
+    return out
+
+
 def advice(report: Report, dropped: int = 0) -> list[str]:
     """What to change, from fixed rules over the figures; each names the figure behind it."""
-    out: list[str] = []
+    out: list[str] = outcome_advice(report.outcomes)
     engine = report.roles.get(stages.ENGINE)
     trainer = report.roles.get(stages.TRAINER)
     ep = report.episodes
@@ -503,6 +534,9 @@ def format_text(report: Report) -> str:
         for name, value in ep.causes.items():
             lines.append(f"      {name:48s} {_pct(value):>6s}")
         lines.append(f"      {'unattributed':48s} {_pct(ep.unattributed):>6s}")
+    if report.outcomes:
+        lines.append("episode outcomes: " + ", ".join(
+            f"{status} {n}" for status, n in report.outcomes.items()))
     if report.findings:
         lines.append("who waited on whom:")
         lines += [f"  - {s}" for s in report.findings]

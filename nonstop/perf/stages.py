@@ -50,6 +50,7 @@ TRAINER_BUSY = f"{TRAINER}/{DEVICE_BUSY}"
 # Counters (perf.count): summed over a window they give rates.
 ENGINE_TOKENS = "engine/tokens"  # generated tokens
 ROLLOUT_EPISODES = "rollout/episodes"  # finished episodes
+ROLLOUT_EPISODE_STATUS = "rollout/episode_status"  # finished episodes, tagged status=...
 TRAIN_TOKENS = "train/tokens"  # tokens consumed by optimizer steps
 TRAIN_FLOPS = "train/flops"  # model FLOPs of optimizer steps (for MFU)
 

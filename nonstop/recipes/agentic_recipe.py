@@ -173,6 +173,31 @@ def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, *, greedy: bool = 
     return dataclasses.replace(cfg.agent, sampling=sampling)
 
 
+async def _prompt_lengths(cfg: AgenticRunConfig, tokenizer: Tokenizer) -> dict[str, int]:
+    """Token counts of the first training prompt and the first held-out one."""
+    lengths = {}
+    for split, offset in (("training", cfg.seed), ("held-out", EVAL_SEED_OFFSET)):
+        interaction = interaction_factory(cfg, tokenizer, offset)(
+            EpisodeSpec(group_id=0, index=0, episode_id=0, seed=cfg.seed))
+        try:
+            lengths[split] = len(await interaction.start())
+        finally:
+            interaction.close()
+    return lengths
+
+
+def check_prompts_fit(cfg: AgenticRunConfig, tokenizer: Tokenizer) -> None:
+    """Refuse, before any model is built, a run whose prompts leave no room to sample in the
+    engine's context (every episode would end `context_full` and train on nothing)."""
+    limit = cfg.agent.max_context_tokens
+    key = "agent.max_context_tokens" if limit and limit < cfg.engine.max_len else "engine.max_len"
+    room = min(cfg.engine.max_len, limit or cfg.engine.max_len)
+    for split, length in asyncio.run(_prompt_lengths(cfg, tokenizer)).items():
+        check(length < room, "AgenticRunConfig", key, room,
+              f"more than the {length} tokens of a {split} prompt of env {cfg.env.name!r}, with "
+              f"room for the answer (e.g. {key}={length + cfg.agent.max_episode_tokens})")
+
+
 async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
                      new_env: Callable[[], Environment] | None = None) -> float:
     """Mean reward of greedy episodes on held-out tasks (with several processes, each runs a
@@ -228,6 +253,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     # 1. The run directory and the tokenizer.
     run = start_run(cfg, cfg.run_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    check_prompts_fit(cfg, tokenizer)
     started = time.perf_counter()
     owns_perf = perf.active_run_dir() is None
     processes = jax.process_count()

@@ -15,7 +15,7 @@ from flax import nnx
 
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec
-from nonstop.agentic.streaming import StalenessGate, StreamingLearner, SyncLearner
+from nonstop.agentic.streaming import NoSamplesError, StalenessGate, StreamingLearner, SyncLearner
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
 from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
@@ -139,3 +139,24 @@ def test_admission_and_deadlines_by_hand():
         assert gate.admissible()
 
     asyncio.run(main())
+
+
+def test_a_step_whose_episodes_sampled_nothing_stops_with_the_cause(setup):
+    """Prompts that fill the engine's 64-position context: every episode ends context_full
+    before sampling; the learner stops at its first step and says why, instead of training on
+    nothing."""
+    trainer, engine = _reset(setup, dynamic_sampling=False)
+
+    def too_long(spec: EpisodeSpec) -> ScriptedToolInteraction:
+        async def no_tool(turn, sampled):
+            return []
+
+        return ScriptedToolInteraction(list(range(10, 74)), num_turns=1, tool=no_tool,
+                                       reward_fn=lambda answer: 0.0)
+
+    learner = StreamingLearner(trainer, engine, too_long, _config(0))
+    with pytest.raises(NoSamplesError, match=r"step 0: none of its 6 episodes sampled a token "
+                                             r"\(outcomes: context_full x6; prompts of 64-64 "
+                                             r"tokens\).*raise engine\.max_len"):
+        asyncio.run(asyncio.wait_for(learner.run(2), timeout=120))
+    assert learner.records == []

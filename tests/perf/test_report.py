@@ -389,3 +389,23 @@ def test_empty_run_directory_says_there_is_nothing(tmp_path):
     assert rep.roles == {} and rep.episodes is None and rep.stages == {}
     assert any("events.jsonl: missing" in p for p in rep.problems)
     assert "no device-busy intervals recorded" in rep.text()
+
+
+def test_episode_outcomes_come_before_any_advice(tmp_path):
+    """A run whose episodes mostly ended context_full: the report counts each outcome and its
+    first advice says so, before any advice on speed."""
+    with perf.run(tmp_path):
+        for status, n in (("context_full", 7), ("done", 2), ("error", 1)):
+            for _ in range(n):
+                perf.count(perf.ROLLOUT_EPISODE_STATUS, 1, status=status)
+        with perf.span(perf.ROLLOUT_DECODE), perf.device_busy(perf.ENGINE):
+            time.sleep(0.01)
+    rep = perf.build_report(tmp_path)
+    assert rep.outcomes == {"context_full": 7, "done": 2, "error": 1}
+    assert rep.advice[0].startswith("70.0% of episodes ended context_full")
+    assert "raise engine.max_len" in rep.advice[0]
+    assert rep.advice[1].startswith("10.0% of episodes failed")
+    text = rep.text()
+    assert "episode outcomes: context_full 7, done 2, error 1" in text
+    assert text.index("episode outcomes:") < text.index("advice:")
+    assert json.loads(json.dumps(rep.to_json()))["outcomes"]["context_full"] == 7
