@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from nonstop.models.validation import ConfigError
+from nonstop.models.validation import ConfigError, check, check_choice
 
 Family = Literal["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 Activation = Literal["silu", "gelu_tanh", "gelu"]
@@ -33,10 +33,9 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.kind not in get_args(RopeKind):
-            raise ConfigError(f"rope kind {self.kind!r} is not supported; use one of {get_args(RopeKind)}")
-        if self.theta <= 0 or self.factor <= 0:
-            raise ConfigError(f"rope theta and factor must be positive, got {self.theta}, {self.factor}")
+        check_choice("RopeConfig", "kind", self.kind, RopeKind)
+        check(self.theta > 0, "RopeConfig", "theta", self.theta, "a number > 0")
+        check(self.factor > 0, "RopeConfig", "factor", self.factor, "a number > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,31 +72,24 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in get_args(Family):
-            raise ConfigError(f"family {self.family!r} is not supported; use one of {get_args(Family)}")
-        if self.activation not in get_args(Activation):
-            raise ConfigError(
-                f"activation {self.activation!r} is not supported; use one of {get_args(Activation)}"
-            )
+        owner = "ModelConfig"
+        check_choice(owner, "family", self.family, Family)
+        check_choice(owner, "activation", self.activation, Activation)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            check(getattr(self, name) > 0, owner, name, getattr(self, name), "an int >= 1")
+        check(self.num_heads % self.num_kv_heads == 0, owner, "num_kv_heads", self.num_kv_heads,
+              f"a divisor of num_heads={self.num_heads}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries but num_layers is {self.num_layers}"
-            )
-        for t in self.layer_types:
-            if t not in get_args(LayerType):
-                raise ConfigError(f"layer type {t!r} is not supported; use one of {get_args(LayerType)}")
-        if "sliding" in self.layer_types and not self.sliding_window:
-            raise ConfigError("layer_types has sliding layers but sliding_window is not set")
+        layer_types = get_args(LayerType)
+        check(len(self.layer_types) == self.num_layers
+              and all(t in layer_types for t in self.layer_types), owner, "layer_types",
+              self.layer_types, f"num_layers={self.num_layers} entries, each one of "
+              + ", ".join(map(repr, layer_types)) + " (empty: all 'full')")
+        check("sliding" not in self.layer_types or bool(self.sliding_window), owner,
+              "sliding_window", self.sliding_window,
+              "a window length >= 1, since layer_types has 'sliding' layers")
 
     @property
     def attention_scale(self) -> float:

@@ -59,19 +59,29 @@ def _fail(source: str, key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"{source}: config field {key!r} = {value!r}: {why}")
 
 
+def _need(hf: dict[str, Any], key: str, source: str, within: str | None = None) -> Any:
+    """`hf[key]`, or an error naming the file and the missing key (`within`: the enclosing key)."""
+    if key not in hf:
+        name = f"{within}.{key}" if within else key
+        raise ConfigError(f"{source}: required config field {name!r} is missing")
+    return hf[key]
+
+
 def _rope_from_hf(params: dict[str, Any], theta: float | None, source: str, key: str) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = float(params.get("rope_theta", theta if theta is not None else 10_000.0))
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=float(params["factor"]))
+        return RopeConfig(theta=theta, kind="linear",
+                          factor=float(_need(params, "factor", source, key)))
     if kind == "llama3":
         return RopeConfig(
-            theta=theta, kind="llama3", factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            theta=theta, kind="llama3", factor=float(_need(params, "factor", source, key)),
+            low_freq_factor=float(_need(params, "low_freq_factor", source, key)),
+            high_freq_factor=float(_need(params, "high_freq_factor", source, key)),
+            original_max_position_embeddings=int(
+                _need(params, "original_max_position_embeddings", source, key)),
         )
     raise _fail(source, key, params, f"RoPE scaling type {kind!r} is not supported "
                                      "(supported: default, linear, llama3)")
@@ -121,7 +131,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "<dict>") -> ModelConfig
         raise _fail(source, "model_type", model_type,
                     f"unknown architecture; supported model types: {sorted(MODEL_TYPES)}")
     if model_type == "gemma3":  # the multimodal wrapper: the language model is text_config
-        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        hf = {**_need(hf, "text_config", source), "model_type": "gemma3_text"}
     family = MODEL_TYPES[model_type]
     for arch in hf.get("architectures") or []:
         if not arch.endswith("ForCausalLM") and arch != "Gemma3ForConditionalGeneration":
@@ -145,47 +155,45 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "<dict>") -> ModelConfig
     act_name = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act_name not in _ACTIVATIONS:
         raise _fail(source, "hidden_act", act_name, f"supported: {sorted(_ACTIVATIONS)}")
-    n_layers = int(hf["num_hidden_layers"])
-    n_heads = int(hf["num_attention_heads"])
+    n_layers = int(_need(hf, "num_hidden_layers", source))
+    n_heads = int(_need(hf, "num_attention_heads", source))
     layer_types = _layer_types(hf, family, n_layers, source)
     rope, local_rope = _ropes(hf, family, source)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    try:
-        return ModelConfig(
-            family=family,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=n_layers,
-            num_heads=n_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=rope,
-            local_rope=local_rope,
-            attention_bias=family == "qwen2",
-            qk_norm=switches.get("qk_norm", False),
-            norm_plus_one=switches.get("norm_plus_one", False),
-            scale_embeddings=switches.get("scale_embeddings", False),
-            activation=_ACTIVATIONS[act_name],  # type: ignore[arg-type]
-            post_norms=switches.get("post_norms", False),
-            attn_softcap=hf.get("attn_logit_softcapping"),
-            final_softcap=hf.get("final_logit_softcapping"),
-            query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"])
-                                   if hf.get("query_pre_attn_scalar") else None),
-            sliding_window=(int(hf["sliding_window"])
-                            if hf.get("sliding_window") and "sliding" in layer_types else None),
-            layer_types=layer_types,
-            tie_embeddings=bool(hf.get("tie_word_embeddings",
-                                       switches.get("tie_embeddings", False))),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            pad_token_id=hf.get("pad_token_id"),
-        )
-    except KeyError as e:
-        raise ConfigError(f"{source}: required config field {e.args[0]!r} is missing") from None
+    hidden_size = int(_need(hf, "hidden_size", source))
+    return ModelConfig(
+        family=family,
+        vocab_size=int(_need(hf, "vocab_size", source)),
+        hidden_size=hidden_size,
+        intermediate_size=int(_need(hf, "intermediate_size", source)),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or hidden_size // n_heads),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        local_rope=local_rope,
+        attention_bias=family == "qwen2",
+        qk_norm=switches.get("qk_norm", False),
+        norm_plus_one=switches.get("norm_plus_one", False),
+        scale_embeddings=switches.get("scale_embeddings", False),
+        activation=_ACTIVATIONS[act_name],  # type: ignore[arg-type]
+        post_norms=switches.get("post_norms", False),
+        attn_softcap=hf.get("attn_logit_softcapping"),
+        final_softcap=hf.get("final_logit_softcapping"),
+        query_pre_attn_scalar=(float(hf["query_pre_attn_scalar"])
+                               if hf.get("query_pre_attn_scalar") else None),
+        sliding_window=(int(hf["sliding_window"])
+                        if hf.get("sliding_window") and "sliding" in layer_types else None),
+        layer_types=layer_types,
+        tie_embeddings=bool(hf.get("tie_word_embeddings",
+                                   switches.get("tie_embeddings", False))),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+    )
 
 
 def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:

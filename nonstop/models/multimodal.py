@@ -32,7 +32,8 @@ from jax import Array
 
 from nonstop.models.config import ConfigError, ModelConfig
 from nonstop.models.decoder import Decoder, KVCache
-from nonstop.models.hf_config import _METADATA, config_from_hf
+from nonstop.models.hf_config import _METADATA, _need, config_from_hf
+from nonstop.models.validation import check
 from nonstop.models.vision import MultiModalProjector, VisionConfig, VisionEncoder
 
 # Top-level Gemma3Config keys that carry no architecture we would drop.
@@ -65,12 +66,10 @@ class VLMConfig:
     eoi_token_id: int
 
     def __post_init__(self) -> None:
-        if self.text.family != "gemma3":
-            raise ConfigError(f"the vision-language model needs a gemma3 text decoder, got "
-                              f"{self.text.family!r}")
-        if self.mm_tokens_per_image <= 0:
-            raise ConfigError(f"mm_tokens_per_image must be positive, got "
-                              f"{self.mm_tokens_per_image}")
+        check(self.text.family == "gemma3", "VLMConfig", "text.family", self.text.family,
+              "'gemma3' (the vision-language model is Gemma 3's)")
+        check(self.mm_tokens_per_image > 0, "VLMConfig", "mm_tokens_per_image",
+              self.mm_tokens_per_image, "an int >= 1")
 
     @classmethod
     def from_hf(cls, config: str | Path | dict[str, Any]) -> VLMConfig:
@@ -90,7 +89,8 @@ class VLMConfig:
             if key not in _VLM_METADATA and key not in _METADATA and not key.startswith("_"):
                 raise ConfigError(f"{source}: config field {key!r} = {config[key]!r} is not "
                                   "supported by nonstop's Gemma 3 vision-language model")
-        text_hf = {**_TEXT_DEFAULTS, **config["text_config"], "model_type": "gemma3_text"}
+        text_hf = {**_TEXT_DEFAULTS, **_need(config, "text_config", source),
+                   "model_type": "gemma3_text"}
         if "rope_theta" not in text_hf and "rope_parameters" not in text_hf:
             text_hf["rope_theta"] = 1_000_000.0  # Gemma 3's global RoPE base
         if "tie_word_embeddings" in config:

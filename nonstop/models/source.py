@@ -51,11 +51,9 @@ class ModelSource:
     tie_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.path is not None and self.preset is not None:
-            raise ConfigError(
-                f"ModelSource: set model.path={self.path!r} (a checkpoint) or "
-                f"model.preset={self.preset!r} (random weights), not both"
-            )
+        check(self.path is None or self.preset is None, "ModelSource", "preset", self.preset,
+              f"null while path={self.path!r} is set (path: a checkpoint, preset: random "
+              "weights; set one, not both)")
         check_choice("ModelSource", "family", self.family, Family)
         for name in _SIZES:
             value = getattr(self, name)

@@ -33,6 +33,7 @@ from nonstop.models.config import ConfigError
 from nonstop.models.layers import RMSNorm, _param
 from nonstop.models.lora import LoRAConfig, LoRAWeight, project
 from nonstop.models.quantize import weight_value
+from nonstop.models.validation import check
 
 VISION_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # transformers' SiglipVisionConfig defaults.
@@ -57,16 +58,14 @@ class VisionConfig:
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        owner = "VisionConfig"
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size",
                      "patch_size", "num_channels"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"vision {name} must be positive, got {getattr(self, name)}")
-        if self.image_size % self.patch_size:
-            raise ConfigError(f"vision image_size ({self.image_size}) must be a multiple of "
-                              f"patch_size ({self.patch_size})")
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"vision hidden_size ({self.hidden_size}) must be a multiple of "
-                              f"num_heads ({self.num_heads})")
+            check(getattr(self, name) > 0, owner, name, getattr(self, name), "an int >= 1")
+        check(self.image_size % self.patch_size == 0, owner, "image_size", self.image_size,
+              f"a multiple of patch_size={self.patch_size}")
+        check(self.hidden_size % self.num_heads == 0, owner, "hidden_size", self.hidden_size,
+              f"a multiple of num_heads={self.num_heads}")
 
     @property
     def patches_per_side(self) -> int:

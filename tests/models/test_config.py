@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import transformers
 
 from nonstop.models import ConfigError, ModelConfig
+from nonstop.models.config import RopeConfig
 from nonstop.models.presets import PRESETS
+from nonstop.models.source import ModelSource
 
 # Published parameter counts (billions), rounded as the model names round them.
 _SIZES = {"llama3_1_8b": 8.03, "llama3_2_1b": 1.24, "llama3_2_3b": 3.21, "qwen2_5_0_5b": 0.49,
@@ -47,9 +51,53 @@ def test_named_preset_methods():
 
 
 def test_invalid_values_are_named():
-    with pytest.raises(ConfigError, match="num_heads .* multiple of num_kv_heads"):
+    with pytest.raises(ConfigError, match=r"^ModelConfig\.num_kv_heads=3 is invalid; "
+                                          r"expected a divisor of num_heads=4$") as err:
         ModelConfig.tiny(num_heads=4, num_kv_heads=3)
-    with pytest.raises(ConfigError, match="activation 'relu'"):
+    assert (err.value.field, err.value.value) == ("num_kv_heads", 3)
+    with pytest.raises(ConfigError, match=r"^ModelConfig\.activation='relu' is invalid; "
+                                          r"expected one of 'silu', "):
         ModelConfig.tiny(activation="relu")
-    with pytest.raises(ConfigError, match="sliding_window is not set"):
+    with pytest.raises(ConfigError, match=r"^ModelConfig\.sliding_window=None is invalid; "
+                                          r"expected .*'sliding' layers"):
         ModelConfig.tiny(layer_types=("sliding", "full"))
+    with pytest.raises(ConfigError, match=r"^ModelConfig\.layer_types=\('full',\) is invalid; "
+                                          r"expected num_layers=2 entries"):
+        ModelConfig.tiny(num_layers=2, layer_types=("full",))
+    with pytest.raises(ConfigError, match=r"^ModelConfig\.head_dim=0 is invalid; "
+                                          r"expected an int >= 1$"):
+        ModelConfig.tiny(head_dim=0)
+    with pytest.raises(ConfigError, match=r"^RopeConfig\.kind='yarn' is invalid; "
+                                          r"expected one of 'default', 'linear', 'llama3'$"):
+        RopeConfig(kind="yarn")
+    with pytest.raises(ConfigError, match=r"^RopeConfig\.factor=0\.0 is invalid; "
+                                          r"expected a number > 0$"):
+        RopeConfig(factor=0.0)
+
+
+@pytest.mark.parametrize("drop, missing", [
+    ("num_hidden_layers", "'num_hidden_layers'"),
+    ("vocab_size", "'vocab_size'"),
+    ("rope_scaling.factor", "'rope_scaling.factor'"),
+])
+def test_config_json_missing_key_names_file_and_key(tmp_path, drop, missing):
+    hf = ModelConfig.preset("llama3_2_1b").to_hf()
+    hf.pop("rope_parameters", None)
+    if "." in drop:
+        section, key = drop.split(".")
+        del hf[section][key]
+    else:
+        del hf[drop]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=rf"config\.json: required config field {missing} "
+                                          "is missing"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_model_source_refuses_path_and_preset_together():
+    with pytest.raises(ConfigError, match=r"^ModelSource\.preset='qwen3_0_6b' is invalid; "
+                                          r"expected null while path='/ckpt' is set") as err:
+        ModelSource(path="/ckpt", preset="qwen3_0_6b")
+    assert err.value.field == "preset"
+    assert ModelSource(preset="qwen3_0_6b").kind == "preset"

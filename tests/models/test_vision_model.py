@@ -10,10 +10,10 @@ import torch
 import transformers
 from flax import nnx
 
-from nonstop.models import load_pretrained, save_pretrained
+from nonstop.models import ConfigError, ModelConfig, load_pretrained, save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
 from nonstop.models.multimodal import Gemma3VLM, VLMConfig, image_lookahead
-from nonstop.models.vision import apply_vision_lora, merge_vision_lora
+from nonstop.models.vision import VisionConfig, apply_vision_lora, merge_vision_lora
 from nonstop.models.vlm_checkpoint import canonical_name
 from tests.models.vlm_fixtures import build_hf_vlm, hf_vlm_logits, image_prompt
 
@@ -131,6 +131,34 @@ def test_released_config_fields_default_as_transformers():
     assert (ours.text.vocab_size, ours.text.head_dim, ours.text.rope.theta,
             ours.text.rope.factor) == (262208, 256, 1e6, 8.0)
     assert ours.vision.patches_per_side == 64 and ours.mm_tokens_per_image == 256
+
+
+def test_vision_and_vlm_config_values_are_named():
+    vision = dict(hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, image_size=28,
+                  patch_size=14)
+    with pytest.raises(ConfigError, match=r"^VisionConfig\.image_size=30 is invalid; "
+                                          r"expected a multiple of patch_size=14$"):
+        VisionConfig(**{**vision, "image_size": 30})
+    with pytest.raises(ConfigError, match=r"^VisionConfig\.hidden_size=9 is invalid; "
+                                          r"expected a multiple of num_heads=2$"):
+        VisionConfig(**{**vision, "hidden_size": 9})
+    with pytest.raises(ConfigError, match=r"^VisionConfig\.num_layers=0 is invalid; "
+                                          r"expected an int >= 1$"):
+        VisionConfig(**{**vision, "num_layers": 0})
+    glue = dict(vision=VisionConfig(**vision), image_token_id=5, boi_token_id=6, eoi_token_id=7)
+    with pytest.raises(ConfigError, match=r"^VLMConfig\.mm_tokens_per_image=0 is invalid; "
+                                          r"expected an int >= 1$"):
+        VLMConfig(text=ModelConfig.tiny("gemma3"), mm_tokens_per_image=0, **glue)
+    with pytest.raises(ConfigError, match=r"^VLMConfig\.text\.family='llama' is invalid; "
+                                          r"expected 'gemma3'"):
+        VLMConfig(text=ModelConfig.tiny("llama"), mm_tokens_per_image=4, **glue)
+
+
+def test_vlm_config_json_without_text_config_names_the_key():
+    hf = {"model_type": "gemma3", "vision_config": {}}
+    with pytest.raises(ConfigError, match=r"<dict>: required config field 'text_config' is "
+                                          r"missing"):
+        VLMConfig.from_hf(hf)
 
 
 def test_lora_on_both_towers_merges_and_exports(models, tmp_path):
