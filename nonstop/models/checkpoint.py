@@ -1,12 +1,12 @@
 """Load and save Hugging Face checkpoint directories (config.json + safetensors).
 
 `load_pretrained` builds the decoder with shape-only parameters, then reads each tensor from the
-safetensors files into one reused host buffer and places it on its sharding in our layout and
-the parameter dtype (`placement.place`: transposed on the host for CPU devices, on the devices
-otherwise; `jax.make_array_from_callback`, so each device receives only its own shard). One
-tensor at a time is in flight on the host. Every expected tensor must be present with its
-expected shape, and every tensor present must be used: anything else is an error naming the
-tensor and the file.
+safetensors files and places it on its sharding in our layout and the parameter dtype
+(`placement.place_all`: transposed on the host for CPU devices, on the devices otherwise;
+`jax.make_array_from_callback`, so each device receives only its own shard). Two worker threads
+read and transpose the next tensors while one is placed; at most two are in flight on the host.
+Every expected tensor must be present with its expected shape, and every tensor present must be
+used: anything else is an error naming the tensor and the file.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import Decoder, abstract_decoder
 from nonstop.models.hf_weights import IGNORED_SUFFIXES, WeightSpec, weight_specs
 from nonstop.models.multimodal import Gemma3VLM, is_vlm_config
-from nonstop.models.placement import place
-from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader, aligned_buffer
+from nonstop.models.placement import place_all
+from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules
 
 log = logging.getLogger(__name__)
@@ -80,20 +80,20 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     graphdef, abstract = nnx.split(abstract_decoder(cfg, dtype=dtype, param_dtype=param_dtype))
     with SafetensorsReader(path) as reader:
         _check_tensors(reader, specs, cfg)
-        staging = aligned_buffer(max(e.end - e.start for e in reader.entries.values()))
+        targets = []
         for var_path, var in nnx.to_flat_state(abstract):
             spec = by_path.get(tuple(var_path))
             if spec is None:
                 raise CheckpointError(f"internal: parameter {var_path} has no checkpoint tensor")
-            ours = spec.to_ours(reader.read(spec.hf_name, into=staging))
             if mesh is None:
                 sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             else:
-                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, ours.shape, mesh))
-            array = place(ours, np.dtype(param_dtype), sharding, borrowed=True)
-            array.block_until_ready()  # before the next tensor overwrites `staging`
+                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, var.get_value().shape,
+                                                          mesh))
+            targets.append((var, (spec.hf_name, spec.to_ours, sharding)))
+        arrays = place_all(reader, [tensor for _, tensor in targets], np.dtype(param_dtype))
+        for (var, _), array in zip(targets, arrays, strict=True):
             var.set_value(array)
-            del ours
     return nnx.merge(graphdef, abstract)
 
 

@@ -12,14 +12,17 @@ view of the bytes as read. Where that transpose runs depends on the devices:
 
 from __future__ import annotations
 
+import collections
 import functools
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from nonstop.models.safetensors_io import aligned_buffer
+from nonstop.models.safetensors_io import SafetensorsReader, aligned_buffer
 
 _BLOCK_ROWS = 8  # rows per step of the blocked transpose; small blocks stay in L1
 
@@ -77,6 +80,28 @@ def _relayout(perm: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
     return jax.jit(lambda x: jnp.transpose(x, perm).astype(dtype), out_shardings=sharding)
 
 
+def _all_cpu(sharding: Sharding) -> bool:
+    return all(d.platform == "cpu" for d in sharding.device_set)
+
+
+def host_layout(ours: np.ndarray, dtype: np.dtype, *, borrowed: bool) -> np.ndarray:
+    """`ours` as a C-contiguous, 64-byte-aligned `dtype` array that a CPU device may adopt:
+    `ours` itself when it already is one and not `borrowed`, else a fresh copy. Pure numpy (its
+    copies run without the GIL), so several threads may prepare tensors at once."""
+    dtype = np.dtype(dtype)
+    stored, perm = as_stored(ours)
+    if jax.dtypes.canonicalize_dtype(stored.dtype) != stored.dtype:  # float64 without x64
+        stored = stored.astype(dtype)
+    host = stored
+    if perm != tuple(range(ours.ndim)) or (borrowed and stored.dtype == dtype):
+        host = transposed(stored, perm)
+    if host.dtype != dtype:
+        cast = aligned_buffer(host.size * dtype.itemsize).view(dtype).reshape(host.shape)
+        cast[...] = host
+        host = cast
+    return host
+
+
 def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bool,
           on_host: bool | None = None) -> jax.Array:
     """`ours` (a view of the bytes as read) as a `dtype` array on `sharding`.
@@ -90,15 +115,9 @@ def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bo
     if jax.dtypes.canonicalize_dtype(stored.dtype) != stored.dtype:  # float64 without x64
         stored = stored.astype(dtype)
     if on_host is None:
-        on_host = all(d.platform == "cpu" for d in sharding.device_set)
+        on_host = _all_cpu(sharding)
     if on_host or (identity and stored.dtype == dtype):
-        host = stored
-        if not identity or (borrowed and stored.dtype == dtype):
-            host = transposed(stored, perm)
-        if host.dtype != dtype:
-            cast = aligned_buffer(host.size * dtype.itemsize).view(dtype).reshape(host.shape)
-            cast[...] = host
-            host = cast
+        host = host_layout(ours, dtype, borrowed=borrowed)
         return jax.make_array_from_callback(ours.shape, sharding, lambda idx: host[idx])
     src = sharding
     if isinstance(sharding, NamedSharding):
@@ -107,3 +126,47 @@ def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bo
         src = NamedSharding(sharding.mesh, PartitionSpec(*(spec[a] for a in inverse)))
     raw = jax.make_array_from_callback(stored.shape, src, lambda idx: stored[idx])
     return _relayout(perm, dtype, sharding)(raw)
+
+
+_IN_FLIGHT = 2  # tensors being read and transposed at once; each has its own staging buffer
+
+
+def place_all(reader: SafetensorsReader,
+              tensors: Sequence[tuple[str, Callable[[np.ndarray], np.ndarray], Sharding]],
+              dtype: np.dtype) -> Iterator[jax.Array]:
+    """`place` for each `(name, to_ours, sharding)` in turn, reading ahead.
+
+    Worker threads read (and, for CPU devices, transpose and cast) the next tensors while the
+    caller places this one; each reads into its own reused staging buffer, so at most
+    `_IN_FLIGHT` tensors are on the host besides the results. A tensor already in our layout is
+    read straight into the buffer its array then adopts on CPU: its bytes are written once.
+    """
+    dtype = np.dtype(dtype)
+    if not tensors:
+        return
+    largest = max(reader.entries[name].end - reader.entries[name].start for name, *_ in tensors)
+    staging = [aligned_buffer(largest) for _ in range(_IN_FLIGHT)]  # touched only as used
+
+    def prepare(i: int) -> tuple[np.ndarray, bool]:
+        """Tensor i in our layout: `(array, borrowed)`, ready to adopt when on CPU devices."""
+        name, to_ours, sharding = tensors[i]
+        entry = reader.entries[name]
+        slot = staging[i % _IN_FLIGHT][:entry.end - entry.start]
+        probe = to_ours(slot.view(entry.dtype).reshape(entry.shape))  # a view, nothing read
+        in_place = probe.flags.c_contiguous and entry.dtype == dtype
+        ours = to_ours(reader.read(name, into=None if in_place else slot))
+        if _all_cpu(sharding):
+            return host_layout(ours, dtype, borrowed=not in_place), False
+        return ours, not in_place
+
+    with ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="checkpoint-read") as pool:
+        pending = collections.deque(pool.submit(prepare, i)
+                                    for i in range(min(_IN_FLIGHT, len(tensors))))
+        for i, (_, _, sharding) in enumerate(tensors):
+            ours, borrowed = pending.popleft().result()
+            array = place(ours, dtype, sharding, borrowed=borrowed)
+            if borrowed:
+                array.block_until_ready()  # before task i + _IN_FLIGHT overwrites its buffer
+            if i + _IN_FLIGHT < len(tensors):
+                pending.append(pool.submit(prepare, i + _IN_FLIGHT))
+            yield array

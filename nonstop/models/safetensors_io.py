@@ -13,10 +13,11 @@ the file and the first tensor it cuts off.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
+import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -31,6 +32,8 @@ DTYPES: dict[str, np.dtype] = {
 
 
 _ALIGN = 64  # JAX's CPU client adopts host buffers aligned to this without a copy
+_HUGE_PAGE = 2 * 1024**2
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
 class CheckpointError(ValueError):
@@ -104,7 +107,21 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 buffer of `nbytes` starting on a 64-byte boundary."""
+    """An uninitialised uint8 buffer of `nbytes` starting on a 64-byte boundary.
+
+    A large one is its own anonymous mapping, 2 MiB-aligned and advised to use transparent huge
+    pages: the kernel then fills it one 2 MiB page per fault instead of 512 4 KiB ones. Writing a
+    buffer for the first time costs more than filling it (0.6-3.6 s/GB on a virtual machine,
+    against 0.1 s/GB with huge pages), and every placed tensor is written once into a fresh one.
+    The mapping is released when the last array viewing it is (JAX keeps an adopted one alive).
+    """
+    if nbytes >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
+        mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE,
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(_MADV_HUGEPAGE)
+        buffer = np.frombuffer(mapping, np.uint8)
+        skip = -buffer.ctypes.data % _HUGE_PAGE  # untouched pages before it are never resident
+        return buffer[skip:skip + nbytes]
     buffer = np.empty(nbytes + _ALIGN, np.uint8)
     skip = -buffer.ctypes.data % _ALIGN
     return buffer[skip:skip + nbytes]
@@ -122,11 +139,13 @@ class SafetensorsReader:
                     raise CheckpointError(f"tensor {name!r} appears in both "
                                           f"{self.entries[name].file.name} and {file.name}")
                 self.entries[name] = entry
-        self._files: dict[Path, io.FileIO] = {}
+        self._files: dict[Path, int] = {}  # descriptors, read with pread: no shared offset
+        self._open_lock = threading.Lock()
 
     def read(self, name: str, into: np.ndarray | None = None) -> np.ndarray:
         """Tensor `name` as a host array in `into` (an `aligned_buffer` of at least its size,
-        reused across tensors) or, without one, in a fresh aligned buffer."""
+        reused across tensors) or, without one, in a fresh aligned buffer. Safe to call from
+        several threads at once; the read itself runs without the GIL."""
         e = self.entries[name]
         nbytes = e.end - e.start
         if into is None:
@@ -135,13 +154,13 @@ class SafetensorsReader:
             raise ValueError(f"read({name!r}): buffer of {into.nbytes} bytes at alignment "
                              f"{into.ctypes.data % _ALIGN} cannot hold {nbytes} aligned bytes")
         data = into.reshape(-1).view(np.uint8)[:nbytes]
-        if e.file not in self._files:
-            self._files[e.file] = io.FileIO(e.file, "r")
-        f = self._files[e.file]
-        f.seek(e.start)
+        with self._open_lock:
+            if e.file not in self._files:
+                self._files[e.file] = os.open(e.file, os.O_RDONLY)
+            fd = self._files[e.file]
         view, done = memoryview(data), 0
         while done < nbytes:  # one read(2) returns at most ~2 GiB
-            got = f.readinto(view[done:])
+            got = os.preadv(fd, [view[done:]], e.start + done)
             if not got:
                 raise CheckpointError(f"{e.file}: truncated while reading tensor {name!r} "
                                       f"(got {done} of {nbytes} bytes; was the file rewritten "
@@ -150,8 +169,8 @@ class SafetensorsReader:
         return data.view(e.dtype).reshape(e.shape)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for fd in self._files.values():
+            os.close(fd)
         self._files.clear()
 
     def __enter__(self) -> SafetensorsReader:
