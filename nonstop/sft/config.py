@@ -104,17 +104,15 @@ class SFTRunConfig:
         if self.grad_accum_steps < 1:
             _fail("SFTRunConfig.grad_accum_steps", self.grad_accum_steps, "an int >= 1")
         if (self.data is None) == (self.builtin_data is None):
-            raise ConfigError(
-                "SFTRunConfig: set exactly one of data (your .jsonl/.parquet files: data.paths=...)"
-                " and builtin_data (a built-in synthetic task); got "
-                f"{'both' if self.data is not None else 'neither'}"
-            )
+            _fail("SFTRunConfig.builtin_data", self.builtin_data,
+                  ("null when data is set" if self.data is not None else
+                   "a built-in synthetic task (builtin_data.task=...) when data is not set")
+                  + "; set exactly one of data (your .jsonl/.parquet files: data.paths=...) and "
+                  "builtin_data")
         if self.data is not None:
             if self.data.packing != PackingConfig():
-                raise ConfigError(
-                    "SFTRunConfig: set packing.* at the top level, not data.packing.* "
-                    "(the top-level packing applies to every data source)"
-                )
+                _fail("SFTRunConfig.data.packing", self.data.packing,
+                      "unset: set packing.* at the top level (it applies to every data source)")
             want = "preference" if self.algorithm != "sft" else None
             if want and self.data.kind != want:
                 _fail("SFTRunConfig.data.kind", self.data.kind, f"'preference' for {self.algorithm}")
@@ -131,16 +129,13 @@ class SFTRunConfig:
                   f"a multiple of grad_accum_steps x mesh.data x mesh.fsdp = "
                   f"{self.grad_accum_steps * shards}")
         if self.quantization is not None and self.lora is None:
-            raise ConfigError(
-                "SFTRunConfig: quantization (QLoRA) needs lora: quantized weights cannot be "
-                "trained; set lora.rank=... as well"
-            )
+            _fail("SFTRunConfig.lora", self.lora, "adapters (lora.rank=...) when quantization "
+                  "is set (QLoRA): quantized weights cannot be trained")
         if self.tokenizer.kind == "pretrained" and self.tokenizer.path is None \
                 and self.model.path is None:
-            raise ConfigError(
-                "SFTRunConfig: tokenizer.kind='pretrained' needs tokenizer.path or model.path; "
-                "set one, or tokenizer.kind=char for the built-in character tokenizer"
-            )
+            _fail("SFTRunConfig.tokenizer.path", self.tokenizer.path,
+                  "a tokenizer directory when tokenizer.kind='pretrained' and model.path is "
+                  "unset (or tokenizer.kind=char for the built-in character tokenizer)")
         default_total = OptimizerConfig().total_steps
         if self.optimizer.total_steps not in (default_total, self.steps):
             _fail("SFTRunConfig.optimizer.total_steps", self.optimizer.total_steps,

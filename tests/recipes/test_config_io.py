@@ -133,15 +133,28 @@ def test_run_config_examples_load_and_round_trip(tmp_path):
 
 def test_run_config_cross_field_errors():
     base = ["builtin_data.task=reverse", "tokenizer.kind=char"]
-    with pytest.raises(ConfigError, match="set exactly one of data"):
+    with pytest.raises(ConfigError, match=r"^builtin_data=None is invalid; expected a built-in "
+                                          r"synthetic task .*set exactly one of data"):
         load_config(SFTRunConfig, None, ["tokenizer.kind=char"])
+    with pytest.raises(ConfigError, match=r"^builtin_data=BuiltinData\(task='reverse'.* is "
+                                          r"invalid; expected null when data is set"):
+        load_config(SFTRunConfig, None, [*base, "data.paths=[a.jsonl]"])
+    with pytest.raises(ConfigError, match=r"^data\.packing=PackingConfig\(.*rows_per_batch=4.* "
+                                          r"is invalid; expected unset: set packing\.\* at the "
+                                          r"top level"):
+        load_config(SFTRunConfig, None, ["tokenizer.kind=char", "data.paths=[a.jsonl]",
+                                         "data.packing.rows_per_batch=4"])
+    with pytest.raises(ConfigError, match=r"^tokenizer\.path=None is invalid; expected a "
+                                          r"tokenizer directory when tokenizer\.kind='pretrained'"):
+        load_config(SFTRunConfig, None, ["builtin_data.task=reverse"])
     with pytest.raises(ConfigError, match="optimizer.total_steps=50 is invalid.*follows steps=100"):
         load_config(SFTRunConfig, None, [*base, "optimizer.total_steps=50"])
     with pytest.raises(ConfigError, match="rows_per_batch=6 is invalid; expected a multiple of "
                                           "grad_accum_steps x mesh.data x mesh.fsdp = 4"):
         load_config(SFTRunConfig, None, [*base, "packing.rows_per_batch=6", "mesh.fsdp=2",
                                          "grad_accum_steps=2"])
-    with pytest.raises(ConfigError, match="quantization \\(QLoRA\\) needs lora"):
+    with pytest.raises(ConfigError, match=r"^lora=None is invalid; expected adapters "
+                                          r"\(lora\.rank=\.\.\.\) when quantization is set"):
         load_config(SFTRunConfig, None, [*base, "quantization.kind=nf4"])
     with pytest.raises(ConfigError, match=r"dtype='float16' is invalid; expected one of "
                                           r"'float32', 'bfloat16'"):
