@@ -77,11 +77,18 @@ class Stage:
 
     def __post_init__(self) -> None:
         if self.kind not in ("device", "host", "wait"):
-            raise ValueError(
-                f"Stage.kind: got {self.kind!r} for {self.name!r}; valid: 'device', 'host', 'wait'"
-            )
-        if not self.name or not self.role:
-            raise ValueError(f"Stage.name and Stage.role must be non-empty, got {self!r}")
+            _fail("kind", self.kind, f"one of 'device', 'host', 'wait' (stage {self.name!r})")
+        for field in ("name", "role"):
+            if not getattr(self, field):
+                _fail(field, getattr(self, field), "a non-empty string")
+
+
+def _fail(field: str, value: object, valid: str) -> None:
+    """Raise `nonstop.models.validation.invalid` for Stage, imported only to raise: importing
+    nonstop.models pulls in jax, and importing perf must not."""
+    from nonstop.models.validation import invalid
+
+    raise invalid("Stage", field, value, valid)
 
 
 STAGES: dict[str, Stage] = {

@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol, get_args
 import numpy as np
 
 from nonstop import perf
+from nonstop.models.validation import check
 from nonstop.rl.answers import (
     MathBackend,
     extract_answer,
@@ -71,14 +72,10 @@ class Reward:
     terms: tuple[tuple[Reward, float], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ValueError(
-                f"Reward.name = {self.name!r} is not valid; use a non-empty name without '/'"
-            )
-        if not callable(self.fn):
-            raise TypeError(
-                f"Reward.fn for {self.name!r} must be callable, got {type(self.fn).__name__}"
-            )
+        check(bool(self.name) and "/" not in self.name, "Reward", "name", self.name,
+              "a non-empty name without '/'")
+        check(callable(self.fn), "Reward", "fn", self.fn,
+              f"a callable (prompt, completion, example) -> float for reward {self.name!r}")
 
     def __call__(self, prompt: str, completion: str, example: Example) -> float | Awaitable[float]:
         return self.fn(prompt, completion, example)

@@ -222,5 +222,9 @@ def test_config_validation_names_the_field():
         perf.PerfConfig(peak_flops_per_s=-1.0)
     with pytest.raises(ValueError, match=r"^PerfConfig\.prometheus_port=65536 is invalid"):
         perf.PerfConfig(prometheus_port=65536)
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match=r"^Stage\.kind='busy' is invalid; expected one of "
+                                         r"'device', 'host', 'wait' \(stage 'a/b'\)$"):
         perf.Stage(name="a/b", role="a", kind="busy")
+    with pytest.raises(ValueError, match=r"^Stage\.role='' is invalid; expected a non-empty "
+                                         r"string$"):
+        perf.Stage(name="a/b", role="", kind="host")

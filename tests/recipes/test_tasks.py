@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from nonstop.models.validation import ConfigError
 from nonstop.recipes.tasks import (
     ArithmeticTask,
     CountdownTask,
@@ -79,14 +80,25 @@ def test_arithmetic_answers_by_hand() -> None:
 
 
 def test_task_settings_are_validated_with_the_field_named() -> None:
-    with pytest.raises(ValueError, match=r"ArithmeticTask.digits = 0"):
+    with pytest.raises(ConfigError, match=r"^ArithmeticTask\.digits=0 is invalid; expected an "
+                                          r"int in \[1, 9\]$"):
         ArithmeticTask(digits=0)
-    with pytest.raises(ValueError, match=r"ArithmeticTask.ops = \('/',\)"):
+    with pytest.raises(ConfigError, match=r"^ArithmeticTask\.ops=\('/',\) is invalid; expected "
+                                          r"a non-empty tuple of"):
         ArithmeticTask(ops=("/",))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"CountdownTask.numbers = 9"):
+    with pytest.raises(ConfigError, match=r"^ArithmeticTask\.terms=9 is invalid; expected an "
+                                          r"int in \[2, 8\]$"):
+        ArithmeticTask(terms=9)
+    with pytest.raises(ConfigError, match=r"^CountdownTask\.numbers=9 is invalid; expected an "
+                                          r"int in \[2, 6\]$"):
         CountdownTask(numbers=9)
-    with pytest.raises(ValueError, match=r"eval_fraction = 1.5"):
+    with pytest.raises(ConfigError, match=r"^CountdownTask\.min_target=101 is invalid; expected "
+                                          r"an int in \[0, max_target=100\]$"):
+        CountdownTask(min_target=101)
+    with pytest.raises(ConfigError, match=r"^CountdownTask\.eval_fraction=1\.5 is invalid; "
+                                          r"expected a number in \(0, 1\)") as err:
         CountdownTask(eval_fraction=1.5)
+    assert (err.value.field, err.value.value) == ("eval_fraction", 1.5)
 
 
 # ------------------------------------------------------------------------------------ countdown

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from nonstop.models.validation import ConfigError
 from nonstop.rl.answers import extract_answer, math_equal, number_in, parse_number, to_sympy
 from nonstop.rl.rewards import (
     Example,
@@ -343,5 +344,11 @@ def test_argument_validation() -> None:
         asyncio.run(evaluate_rewards(r, ["q"], ["a"], [ex("a")], on_error="ignore"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="same length"):
         asyncio.run(evaluate_rewards(r, ["q"], ["a", "b"], [ex("a")]))
-    with pytest.raises(ValueError, match="Reward.name"):
+    with pytest.raises(ConfigError, match=r"^Reward\.name='a/b' is invalid; expected a "
+                                          r"non-empty name without '/'$"):
+        Reward("a/b", lambda p, c, e: 1.0)
+    with pytest.raises(ConfigError, match=r"^Reward\.name='' is invalid"):
         Reward("", lambda p, c, e: 1.0)
+    with pytest.raises(ConfigError, match=r"^Reward\.fn=1\.0 is invalid; expected a callable "
+                                          r".* for reward 'judge'$"):
+        Reward("judge", 1.0)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import dataclasses
 import random
 from typing import Literal, get_args
 
+from nonstop.models.validation import check
 from nonstop.recipes.tasks.base import GeneratedTask
 from nonstop.recipes.tasks.expression import evaluate_expression
 from nonstop.rl.rewards import Example, Reward, exact_match
@@ -32,15 +33,14 @@ class ArithmeticTask(GeneratedTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.digits, int) and 1 <= self.digits <= 9):
-            raise ValueError(f"ArithmeticTask.digits = {self.digits!r} is not valid; use 1..9")
+        owner = "ArithmeticTask"
+        check(isinstance(self.digits, int) and 1 <= self.digits <= 9, owner, "digits",
+              self.digits, "an int in [1, 9]")
         valid = get_args(ArithmeticOp)
-        if not self.ops or any(op not in valid for op in self.ops):
-            raise ValueError(
-                f"ArithmeticTask.ops = {self.ops!r} is not valid; use a non-empty tuple of {valid}"
-            )
-        if not (isinstance(self.terms, int) and 2 <= self.terms <= 8):
-            raise ValueError(f"ArithmeticTask.terms = {self.terms!r} is not valid; use 2..8")
+        check(bool(self.ops) and all(op in valid for op in self.ops), owner, "ops", self.ops,
+              f"a non-empty tuple of {valid}")
+        check(isinstance(self.terms, int) and 2 <= self.terms <= 8, owner, "terms", self.terms,
+              "an int in [2, 8]")
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator
 from typing import Literal, Protocol, runtime_checkable
 
+from nonstop.models.validation import check
 from nonstop.rl.rewards import Example, Reward
 
 Split = Literal["train", "eval"]
@@ -77,11 +78,8 @@ class GeneratedTask(abc.ABC):
     eval_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(
-                f"{type(self).__name__}.eval_fraction = {self.eval_fraction!r} is not valid; "
-                "it must be in (0, 1)"
-            )
+        check(0.0 < self.eval_fraction < 1.0, type(self).__name__, "eval_fraction",
+              self.eval_fraction, "a number in (0, 1), exclusive")
 
     @property
     @abc.abstractmethod

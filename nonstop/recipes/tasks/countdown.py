@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from fractions import Fraction
 
+from nonstop.models.validation import check
 from nonstop.recipes.tasks.base import GeneratedTask
 from nonstop.recipes.tasks.expression import (
     OPERATORS,
@@ -82,20 +83,13 @@ class CountdownTask(GeneratedTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-
-        def bad(field: str, valid: str) -> ValueError:
-            return ValueError(
-                f"CountdownTask.{field} = {getattr(self, field)!r} is not valid; {valid}"
-            )
-
-        if not 2 <= self.numbers <= 6:
-            raise bad("numbers", "use 2..6")
-        if self.max_number < 1:
-            raise bad("max_number", "it must be >= 1")
-        if not self.ops or any(op not in OPERATORS for op in self.ops):
-            raise bad("ops", f"use a non-empty tuple of {OPERATORS}")
-        if not 0 <= self.min_target <= self.max_target:
-            raise bad("min_target", f"it must be in [0, max_target={self.max_target}]")
+        owner = "CountdownTask"
+        check(2 <= self.numbers <= 6, owner, "numbers", self.numbers, "an int in [2, 6]")
+        check(self.max_number >= 1, owner, "max_number", self.max_number, "an int >= 1")
+        check(bool(self.ops) and all(op in OPERATORS for op in self.ops), owner, "ops", self.ops,
+              f"a non-empty tuple of {OPERATORS}")
+        check(0 <= self.min_target <= self.max_target, owner, "min_target", self.min_target,
+              f"an int in [0, max_target={self.max_target}]")
 
     @property
     def name(self) -> str:
