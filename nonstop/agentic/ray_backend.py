@@ -7,31 +7,10 @@
     ...
     pool.shutdown()
 
-Why: tools and sandboxes are CPU work (a Python sandbox forks a process per call, a retrieval
-index scores documents) that would otherwise share the host with the engine's scheduler thread
-and the event loop. On Ray they run in other processes, on this host (a local Ray) or across a
-cluster (`RayEnvConfig.address`), while the orchestrator keeps awaiting them like any coroutine.
-
-Each actor hosts many episodes at once: it builds one environment per episode with the pool's
-`factory` (pickled once per actor, so heavy shared things, e.g. a document index, are built in the
-actor, not shipped per call) and keeps it by episode key until the episode's `close()`. An actor
-runs at most `max_concurrency` calls at once (Ray's per-actor bound; further calls wait in Ray's
-queue). The pool gives each new episode the actor with the fewest live episodes.
-
-`sample_task`, `tools` (the schemas the prompt shows) and `demonstration` are pure functions of
-the environment's config and a seed, so they run on an in-process *template* environment built by
-the same factory: the chat template can render tool schemas synchronously.
-
-Failures: an exception raised by the environment inside the actor is re-raised here as itself (not
-Ray's wrapper), so the episode records the same error as in-process. An actor that dies (killed,
-out of memory, node lost) raises `EnvironmentActorDied` in each episode that had state on it: the
-Agent ends those episodes with status "error" (counted in `RolloutOrchestrator.status`, the group
-is dropped) and the run continues: the first episode to find the actor dead has the pool replace
-it, and later episodes go to the new one. A `reset` that finds its actor dead has lost nothing, so
-it starts over once on the replacement instead of failing.
-
-Ray is imported only when a pool is built, so nonstop works without it
-(`pip install nonstop[ray]` adds it).
+The factory must pickle; each actor builds one environment per episode from it. An actor that
+dies fails its episodes with `EnvironmentActorDied` and is replaced. Ray is imported only when a
+pool is built (`pip install nonstop[ray]`). Placement, failures and cluster setup:
+docs/scaling.md, "Environments on a Ray cluster".
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """The engine's two jitted device functions and its KV cache.
 
-- `prefill`: one chunk of one slot's prompt, int32[1, C] with C from `EngineConfig.chunk_sizes`.
-  Rows past the chunk's real length are parked at position max_len, where the model writes
-  nothing. Only the last real row goes through the output head; its logits are sampled, so the
-  final chunk of a prompt yields the first generated token. The scheduler uses `prefill_into`,
-  which also writes that token into a device array of fresh slots' first tokens, where the next
-  decode takes it without the host reading it first.
-- `decode`: one token for every slot, int32[S]. Idle slots are parked at position max_len.
-  It attends over the cache's first `attend_len` positions, one compilation per length in
-  `EngineConfig.attention_lengths`: a step reads keys and values up to the longest live
-  sequence, not the whole cache (on CPU that read costs about as much as the matmuls).
-  With `steps_per_call` K > 1 one call runs K decode steps in a `lax.scan`, each fed the token
-  the step before sampled, with the sampler inside the loop: [K, S] tokens per call, one
-  dispatch and one read-back for K tokens a slot. Step k samples with the request's step
-  counter + k, so a request's tokens are those of K single steps.
+- `prefill`: one chunk of one slot's prompt, int32[1, C] with C from `EngineConfig.chunk_sizes`;
+  the final chunk samples the first generated token (`prefill_into` leaves it on the device for
+  the next decode).
+- `decode`: one token for every slot, int32[S] (or K steps per call, [K, S], with
+  `steps_per_call`), attending over the first `attend_len` positions of the cache, one
+  compilation per length in `EngineConfig.attention_lengths`.
 
-Both take the parameters as an argument (`nnx.split`: the graph definition is static, the
-weights are never baked in as constants, so a weight update never recompiles) and donate the
-cache. Their logits stay on device and go straight into the jitted sampler
-(`sampling.sample`), so one small host copy per step brings back tokens and log-probabilities.
-The sampler is jitted once per process, not inside each step: it depends only on the shape of
-the logits, so every engine with the same vocabulary shares its compilation (it costs more to
-compile than a small model's step). Traces are counted per function: after warm-up the counts
-must not move, and `Engine.stats()` reports them.
+Both take the weights as an argument (a weight update never recompiles), donate the cache and
+sample on device; trace counts are reported by `Engine.stats()`. Details: docs/engine.md,
+"Inside the engine".
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """The scheduler thread: requests, slots, sessions, and the loop that drives the device.
 
-Each iteration the thread (1) drains its inbox (new requests, cancellations, closed sessions,
-weight updates), (2) admits sessions' next turns into the slots their caches hold, and waiting
-requests into free (or evicted) slots in arrival order, (3) launches prefill chunks (first
-come, first served, up to `prefill_budget` tokens while others decode) and (4) launches one
-decode step over all slots, then handles the tokens of the calls launched before it (the
-previous step's, and the first tokens of the prompts prefilled since) while the device computes
-this one (with `EngineConfig.pipeline_depth` d, the calls before the last d - 1 decode steps).
-No call waits for another to be read back: the step after a token is fed that token straight
-from the device, and a slot fresh from prefill its first token, which the prefill wrote into a
-device array (`first`). So the host's bookkeeping (stop checks, emitting, waking callers,
-preparing the next prefill) never leaves the device idle. A request that stops on a token at
-step N has already been given the d - 1 steps launched after it; their tokens are dropped. One
-whose step N samples its last possible token (`max_tokens`, the cache's end) is left out of
-the steps after it, though it keeps its slot until step N is read back. With
-`EngineConfig.decode_steps_per_call` K > 1 a "step" here is one device call of K steps, and the
-host walks each row's K tokens in order. Everything else per slot lives in small numpy arrays,
-copied to the device with each step.
-
-A slot is free, held by a running request, or held by an idle session whose KV cache it keeps.
-`slot_tokens[s]` is the exact list of token ids whose keys and values are valid in slot s, so a
-session's next turn prefills only what follows their longest common prefix with the new prompt
-(at least one token: the logits of the last prompt token are needed). Without a free slot the
-least recently used idle session is evicted; its next turn then prefills from scratch, which
-gives the same tokens. With `EngineConfig.swap_space_gib` > 0 a copy of its keys and values is
-launched first (not waited for; `HostSwap` takes it to the host once it is there, least
-recently evicted copies dropped first) and written back into whichever slot its next turn
-gets, so that turn prefills only its new tokens; the restored cache is bit for bit the one
-computed before. With `EngineConfig.parked_slots` > 0 the evicted rows move instead into a
-parking cache on the device, and back, all the moves of an admission pass in one device call
-(`swap.Parking`). Stale cache entries beyond a slot's valid prefix are never read: every row
-attends only to positions <= its own, and writes its own position first.
+Each iteration drains the inbox (requests, cancellations, closed sessions, weight updates),
+admits waiting turns into slots, launches prefill chunks (up to `prefill_budget` tokens) and one
+decode step, then handles the tokens of calls launched earlier while the device computes this
+one, so host bookkeeping never leaves the device idle. A slot is free, running a request, or
+holding an idle session's KV cache; `slot_tokens[s]` lists the tokens valid in slot s, so a
+session's next turn prefills only what follows the common prefix. Eviction, host swap and
+parking: docs/engine.md, "Inside the engine" and "Sessions".
 """
 
 from __future__ import annotations

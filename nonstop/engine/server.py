@@ -1,29 +1,11 @@
 """nonstop's OpenAI-compatible HTTP server: the local Engine behind /v1/completions,
 /v1/chat/completions, /v1/models and /health, as a Starlette app run by uvicorn.
 
-`build_app(OpenAIServing(engine.generate, tokenizer, ...))` makes the ASGI app; `serve(ServerConfig(...))` loads a Hugging
-Face checkpoint directory, starts an Engine on it and runs uvicorn until interrupted. The wire
-format and its vLLM-style extensions are described in `openai_protocol`; in short, prompts may be
-token ids, `logprobs` returns the sampled tokens' log-probabilities, `return_token_ids` returns the
-sampled ids, and every choice carries nonstop's `policy_versions`.
-
-Behaviour worth knowing:
-- Stops: the checkpoint's end-of-sequence ids (tokenizer.eos_ids) unless `ignore_eos`, plus
-  `stop_token_ids` and `stop` strings. The returned text ends before a matched stop string, as in
-  OpenAI; the token ids and logprobs keep every sampled token, the stop's included, as in vLLM.
-- `max_tokens` omitted (chat) means up to the end of the context; a prompt that leaves no room to
-  generate is a 400, and a generation that reaches the end of the context ends with
-  finish_reason "length" (engine_finish_reason "cache_full").
-- n > 1 runs n independent requests; with a seed, choice i uses seed + i.
-- `logprobs` > 0 / `top_logprobs` > 0 (alternatives besides the sampled token) are refused: the
-  engine records the sampled token's log-probability only.
-- Streaming (SSE, `data: {...}` chunks then `data: [DONE]`): the Engine resolves a request once,
-  when it ends, so a choice's chunks (one per token) are sent when that choice finishes; choices
-  of n > 1 stream in the order they finish. Text deltas come from incremental detokenization that
-  holds back incomplete UTF-8, and the non-streamed text is built by the same function, so the
-  chunks reassemble to it exactly.
-- Auth: with an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-  /health stays open for load balancers.
+`build_app(OpenAIServing(engine.generate, tokenizer, ...))` makes the ASGI app;
+`serve(ServerConfig(...))` loads a Hugging Face checkpoint directory, starts an Engine on it and
+runs uvicorn until interrupted. The wire format and its vLLM-style extensions are in
+`openai_protocol`; stops, `max_tokens`, `n`, logprobs, streaming and auth are described in
+docs/engine.md, "`nonstop serve`".
 """
 
 from __future__ import annotations

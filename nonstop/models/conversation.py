@@ -1,32 +1,13 @@
 """Conversation: token-level, prefix-stable chat building for rollouts and SFT data.
 
-A Conversation holds the token ids of a chat and, per token, the role of the turn it belongs to and a
-loss mask. Appending never changes a token already there: new system/user/tool messages are rendered
-with the chat template, and only the text the template adds (the difference between rendering the
-conversation with and without them) is tokenized and appended. Model output is appended as the
-sampled ids, never re-tokenized, and the turn is closed with the template's end-of-turn text.
-
-Two ways to add an assistant turn:
-- `append_model_tokens(ids)`: ids the policy sampled (loss_mask True on exactly those); the
-  generation-prompt header before them and the closing text after them (e.g. the "\\n" after
-  <|im_end|>, or <|im_end|>\\n when the model was cut off) are template tokens (mask False).
-- an assistant `Message` in `append_messages` (SFT data): header (mask False), then the content and
-  tool calls as the template renders them plus the end-of-turn token (mask True), then the rest of
-  the closing text (mask False) — the same tokens and mask as if the model had sampled that text.
-
-When tokens equal `tokenizer.encode(template.render(messages))`: each appended piece is tokenized on
-its own, so equality holds when the tokenizer cannot merge across piece boundaries. Boundaries
-between turns border special tokens, which never merge; inside an assistant turn the header/content
-boundary (e.g. "<|im_start|>assistant\\n" | content) holds for the byte-level Llama 3 and Qwen
-tokenizers, whose split regex separates a newline run from the text after it, but not for tokenizers
-without such a split (SentencePiece-style BPE, as Gemma's) when BPE would merge across it, nor when the
-content itself starts with newlines that the split regex would join to the header's. The tokens a
-Conversation builds are the ones a model sees when it generates the turn, which is what training needs.
-
-Prefix stability needs a template that renders history without looking ahead. Two known exceptions
-raise an error that says so: consecutive tool results grouped in one turn (Qwen, Gemma) must be
-appended in one call, and templates that rewrite earlier turns (Qwen3 drops the reasoning of turns
-before the last user message) cannot be built incrementally.
+A Conversation holds a chat's token ids with, per token, its turn's role and a loss mask.
+Appending never changes a token already there: new messages add only the text the chat template
+adds for them, and model output is appended as the sampled ids, never re-tokenized.
+`append_model_tokens(ids)` adds sampled ids (mask True on exactly those); an assistant `Message`
+in `append_messages` (SFT data) gets the same tokens and mask as if the model had sampled it.
+Templates that look ahead (grouped tool results, Qwen3 dropping earlier reasoning) raise an error
+that says so. When the tokens equal `tokenizer.encode(template.render(messages))`, and the mask
+in detail: docs/models.md, "Chat templates and conversations".
 """
 
 from __future__ import annotations
