@@ -3,26 +3,30 @@
     sandbox = Sandbox(SandboxConfig(timeout_s=2.0))
     result = await sandbox.run("print(sum(range(10)))")      # result.stdout == "45\n"
 
-Each run gets a fresh scratch directory (its cwd, removed afterwards), a clean environment with no
-inherited variables, an isolated interpreter (`python -I -S`: no site-packages, no user paths, no
-PYTHON* variables) and these guards, in two layers:
+The boundary is the kernel's, whether the trainer runs as root or not. Each run sees its own root
+filesystem, built from an allow-list: its scratch directory (`/scratch`, its cwd, writable, removed
+afterwards), the interpreter's prefix and the system libraries it loads (read-only), a private
+`/tmp` (tmpfs), a minimal `/dev` and its own `/proc`. Nothing else of the host exists in there: no
+repository, no grader's files, no other process. `SandboxConfig.isolation` picks the mechanism:
 
-OS-enforced (the kernel refuses; reported per run in `SandboxResult.guards`):
-- `wall_timeout`: the child is its own process group; past `timeout_s` the group is SIGKILLed.
-- `rlimits`: RLIMIT_CPU (CPU seconds), RLIMIT_AS (address space: allocation fails with
-  MemoryError), RLIMIT_FSIZE (largest file), RLIMIT_NOFILE.
-- `no_network`: the child enters a new network namespace (only a downed loopback), so connect()
-  fails even to 127.0.0.1. Needs root (or unprivileged user namespaces, tried second).
-- `readonly_fs`: the child enters a new mount namespace in which every mount is remounted
-  read-only except a bind mount of its scratch directory; /root is covered with an empty tmpfs
-  (hiding its files; the interpreter is bound back in if it lives there). Needs root.
-- `unprivileged`: the child drops to user `nobody` (all capabilities gone) after setting up the
-  namespaces, then sets RLIMIT_NPROC=0, so fork/clone and thread creation fail. Needs root.
+- `bubblewrap`: the `bwrap` binary (Debian's `bubblewrap` package) builds that root, with new
+  mount, PID, network, IPC and UTS namespaces (plus a user namespace when not root).
+- `namespaces`: the child builds the same root itself: unshare(2) (a user namespace too when not
+  root, so it works for any user the kernel lets create one), a fresh tmpfs root, bind mounts,
+  pivot_root(2).
+- `auto` (the default): bubblewrap if it works here, else namespaces. Where neither works the
+  Sandbox refuses to start (`SandboxUnavailable`) rather than run model code unconfined.
+- `none`: no boundary, only the limits below and the audit hook; must be chosen explicitly and
+  warns, since the model's code then reads whatever the trainer's user can.
 
-Python-level (an audit hook installed before the model's code runs; it cannot be removed, but an
-audit hook is not a security boundary on its own): refuses socket creation, fork/exec/spawn/
-subprocess/os.system, ctypes, and file writes, renames, deletes and mkdirs outside the scratch
-directory. Without root the OS guards that need it are absent and only this layer holds them.
+Inside either boundary the child drops every capability (as root: it becomes user `nobody`), sets
+no_new_privs and its rlimits: RLIMIT_CPU, RLIMIT_AS (allocation fails with MemoryError),
+RLIMIT_FSIZE, RLIMIT_NOFILE and RLIMIT_NPROC=0 (no fork, no threads). The child is its own process
+group, SIGKILLed past `timeout_s`. `SandboxResult.guards` lists what held for each run.
+
+A Python audit hook (`python_guards`) also refuses sockets, fork/exec, ctypes and writes outside
+the scratch directory, so a program gets a clear PermissionError; it is not a boundary (code can
+bypass it), only a friendlier first refusal. Tracebacks show only the model's own frames.
 
 Output (stdout and stderr each) is kept up to `max_output_bytes`; past `kill_output_bytes` in all
 the child is killed, so a program that prints gigabytes costs the loop little.
@@ -39,24 +43,38 @@ import os
 import pwd
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import warnings
 import weakref
 from typing import Literal
 
 from nonstop import perf
-from nonstop.models.validation import check, check_int, check_ints
+from nonstop.models.validation import check, check_choice, check_int, check_ints
 
+Isolation = Literal["auto", "bubblewrap", "namespaces", "none"]
 KilledReason = Literal["timeout", "cpu_limit", "output_limit", "signal"]
-# Exit status the child uses when it cannot set up a guard the config requires.
+# Exit status the child uses when it cannot set up the boundary the config asked for.
 SETUP_FAILED_EXIT = 121
+OS_GUARDS = ("wall_timeout", "rlimits", "private_fs", "pid_namespace", "no_network",
+             "unprivileged")  # fmt: skip
+SCRATCH = "/scratch"  # where the scratch directory appears inside the boundary
+# Host paths that may be bound read-only besides the interpreter's prefix (those that exist).
+SYSTEM_PATHS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache")
+_RUNNER = "<nonstop-sandbox>"  # the runner's filename; its frames never reach the model
+_BOOT = f"import sys; exec(compile(sys.argv[1], {_RUNNER!r}, 'exec'))"
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation the config asks for cannot be had on this machine."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
-    """Limits of one sandboxed run and how many may run at once."""
+    """Limits of one sandboxed run, how many may run at once, and the boundary around them."""
 
     timeout_s: float = 5.0  # wall clock
     cpu_s: int = 5  # RLIMIT_CPU
@@ -65,8 +83,8 @@ class SandboxConfig:
     max_output_bytes: int = 16_384  # kept per stream
     kill_output_bytes: int = 4_194_304  # stdout + stderr past this: the child is killed
     max_concurrency: int = 4
-    python_guards: bool = True  # the audit hook (tests turn it off to prove the OS layer alone)
-    require_os_isolation: bool = False  # refuse to run unless every OS guard could be set up
+    isolation: Isolation = "auto"  # see the module docstring; "none" runs model code unconfined
+    python_guards: bool = True  # the audit hook (tests turn it off to prove the kernel alone)
     python: str = sys.executable
     scratch_root: str | None = None  # where scratch dirs are made; None: the system temp dir
 
@@ -78,6 +96,7 @@ class SandboxConfig:
               self.kill_output_bytes,
               f"an int >= 2 * max_output_bytes = {2 * self.max_output_bytes}")
         check_int(owner, "max_concurrency", self.max_concurrency)
+        check_choice(owner, "isolation", self.isolation, Isolation)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,95 +110,147 @@ class SandboxResult:
     killed_reason: KilledReason | None
     truncated: bool
     duration_s: float
-    guards: tuple[str, ...] = ()  # the OS guards that were in force (see the module docstring)
+    guards: tuple[str, ...] = ()  # the OS guards that were in force (see OS_GUARDS)
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.killed_reason is None
 
 
-OS_GUARDS = ("wall_timeout", "rlimits", "no_network", "readonly_fs", "unprivileged")
-
-
 def _child_main() -> None:  # pragma: no cover - runs in the sandboxed child, stdlib only
-    """The child: set up namespaces, limits and privileges, then run the model's code.
+    """The child: enter the boundary, set limits, drop privileges, then run the model's code.
 
-    Sent as source to `python -I -S -c`; everything it needs is imported inside.
+    Sent as source to `python -I -S`; everything it needs is imported inside.
     """
+    import contextlib
     import ctypes
     import json
     import os
+    import platform
     import resource
+    import signal
     import sys
     import traceback
 
-    cfg = json.loads(sys.argv[1])
-    scratch, status_fd = cfg["scratch"], cfg["status_fd"]
+    cfg = json.loads(sys.argv[2])
+    status_fd, root = cfg["status_fd"], os.getuid() == 0
     guards = ["wall_timeout"]
-    with open(os.path.join(scratch, "main.py"), encoding="utf-8") as f:
-        source = f.read()
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                           ctypes.c_char_p]  # fmt: skip
-    newns, newnet, newuser = 0x00020000, 0x40000000, 0x10000000
-    ms_rdonly, ms_remount, ms_bind, ms_rec, ms_private = 1, 32, 4096, 16384, 1 << 18
-    keep = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
-            "relatime": 1 << 21}  # fmt: skip
-    root = os.getuid() == 0
 
-    def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str = "") -> bool:
-        def enc(s: str | None) -> bytes | None:
-            return None if s is None else s.encode()
+    def fail(what: str) -> None:
+        err = ctypes.get_errno()
+        print(f"sandbox: cannot set up isolation={cfg['isolation']!r}: {what}"
+              f"{f' ({os.strerror(err)})' if err else ''}", file=sys.stderr)  # fmt: skip
+        sys.stderr.flush()
+        os._exit(121)
 
-        return libc.mount(enc(src), enc(dst), enc(fstype), flags, data.encode() or None) == 0
+    def enter_namespaces() -> None:
+        """unshare + fork into new namespaces, build a root from the allow-list, pivot into it."""
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                               ctypes.c_char_p]  # fmt: skip
+        ms_rdonly, ms_nosuid, ms_nodev, ms_noexec, ms_remount, ms_bind = 1, 2, 4, 8, 32, 4096
+        ms_rec, ms_private = 16384, 1 << 18
+        uid, gid = os.getuid(), os.getgid()
+        flags = 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000  # ns pid net ipc uts
+        if not root:
+            flags |= 0x10000000  # a user namespace: what lets a non-root user do the rest
+        if libc.unshare(flags) != 0:
+            fail("unshare(2) was refused (no namespaces for this user here)")
+        if not root:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):  # fmt: skip
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        pid = os.fork()  # the child is PID 1 of the new PID namespace
+        if pid:
+            os.close(status_fd)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            if code < 0:  # die the same way, so the parent sees the signal
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
-    if root and libc.unshare(newns | newnet) == 0:
-        guards.append("no_network")
-        ok = mount(None, "/", None, ms_rec | ms_private)
-        ok = ok and mount(scratch, scratch, None, ms_bind)
-        base = os.path.realpath(sys.base_prefix)
-        if ok and os.path.isdir("/root"):
-            fd = os.open(base, os.O_PATH | os.O_DIRECTORY) if base.startswith("/root/") else -1
-            ok = mount("tmpfs", "/root", "tmpfs", 0, "size=64k,mode=755")
-            if ok and fd >= 0:
-                os.makedirs(base, exist_ok=True)
-                ok = mount(f"/proc/self/fd/{fd}", base, None, ms_bind | ms_rec)
-                os.close(fd)
-        if ok:
-            with open("/proc/self/mountinfo") as f:
-                mounts = [line.split() for line in f]
-            for fields in mounts:
-                point = fields[4].encode().decode("unicode_escape")
-                if point == scratch:
-                    continue
-                flags = ms_remount | ms_bind | ms_rdonly
-                flags |= sum(keep.get(o, 0) for o in fields[5].split(","))
-                # A shadowed mount is reached through its path's top mount, remounted as well.
-                ok = mount(None, point, None, flags) and ok
-        if ok:
-            guards.append("readonly_fs")
-    elif libc.unshare(newuser | newnet) == 0:
-        guards.append("no_network")
+        def mount(src: str | None, dst: str, fstype: str | None, mflags: int, data: str = ""):
+            args = [None if s is None else s.encode() for s in (src, dst, fstype)]
+            if libc.mount(args[0], args[1], args[2], mflags, data.encode() or None) != 0:
+                fail(f"mount {src} on {dst}")
+
+        def bind(src: str, dst: str, readonly: bool) -> None:
+            if os.path.isdir(src):
+                os.makedirs(dst, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                open(dst, "a").close()
+            mount(src, dst, None, ms_bind | ms_rec)
+            # Flags the original mount has are locked in a user namespace: keep them.
+            keep = os.statvfs(src).f_flag & (ms_nosuid | ms_nodev | ms_noexec | 1024 | 2048)
+            extra = ms_rdonly if readonly else 0
+            mount(None, dst, None, ms_remount | ms_bind | ms_nosuid | ms_nodev | keep | extra)
+
+        new = cfg["new_root"]
+        mount(None, "/", None, ms_rec | ms_private)
+        mount("tmpfs", new, "tmpfs", ms_nosuid | ms_nodev, "size=1m,mode=755")
+        for path in cfg["readonly"]:
+            if os.path.islink(path):
+                os.makedirs(os.path.dirname(new + path), exist_ok=True)
+                os.symlink(os.readlink(path), new + path)
+            else:
+                bind(path, new + path, readonly=True)
+        bind(cfg["host_scratch"], new + cfg["scratch"], readonly=False)
+        os.makedirs(new + "/tmp")
+        mount("tmpfs", new + "/tmp", "tmpfs", ms_nosuid | ms_nodev, "size=64m,mode=1777")
+        os.makedirs(new + "/proc")
+        mount("proc", new + "/proc", "proc", ms_nosuid | ms_nodev | ms_noexec)
+        os.makedirs(new + "/dev")
+        mount("tmpfs", new + "/dev", "tmpfs", ms_nosuid | ms_noexec, "size=64k,mode=755")
+        for dev in ("null", "zero", "random", "urandom"):
+            bind("/dev/" + dev, f"{new}/dev/{dev}", readonly=False)
+        number = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+        if number is None:
+            fail(f"pivot_root's syscall number on {platform.machine()} is not known")
+        os.chdir(new)
+        if libc.syscall(number, b".", b".") != 0:
+            fail("pivot_root")
+        if libc.umount2(b".", 2) != 0:  # MNT_DETACH: the host's root is gone from view
+            fail("umount the old root")
+        os.chdir("/")
+        mount(None, "/", None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev)
+
+    def drop_privileges() -> None:
+        if root:
+            os.setgroups([])
+            os.setgid(cfg["gid"])
+            os.setuid(cfg["uid"])  # from uid 0 to another: every capability goes
+        elif cfg["isolation"] == "namespaces":
+            # Capabilities held in the user namespace it created: capset(2) them all away.
+            header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+            if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+                fail("capset")
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            fail("prctl(PR_SET_NO_NEW_PRIVS)")
+        guards.append("unprivileged")
+
+    if cfg["isolation"] == "namespaces":
+        enter_namespaces()
+    if cfg["isolation"] != "none":
+        guards += ["private_fs", "pid_namespace", "no_network"]
+    scratch = cfg["scratch"]
     os.chdir(scratch)
+    drop_privileges()
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (cfg["memory_mb"] * mb, cfg["memory_mb"] * mb))
     resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["max_file_mb"] * mb, cfg["max_file_mb"] * mb))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no new processes or threads
     guards.append("rlimits")
-    if root:
-        os.setgroups([])
-        os.setgid(cfg["gid"])
-        os.setuid(cfg["uid"])
-        # After setuid (so the uid switch itself is not refused): no new processes or threads.
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-        guards.append("unprivileged")
     os.write(status_fd, json.dumps(guards).encode())
     os.close(status_fd)
-    if cfg["require_os"] and len(guards) < cfg["n_os_guards"]:
-        print(f"sandbox: OS isolation unavailable, only {guards}", file=sys.stderr)
-        sys.exit(121)
+    with open(os.path.join(scratch, "main.py"), encoding="utf-8") as f:
+        source = f.read()
 
     if cfg["python_guards"]:
         real_scratch = os.path.realpath(scratch)
@@ -213,15 +284,29 @@ def _child_main() -> None:  # pragma: no cover - runs in the sandboxed child, st
 
         sys.addaudithook(hook)
 
-    code = compile(source, "main.py", "exec")
+    def report(error: BaseException) -> None:
+        """The traceback with the runner's frames cut out: the model sees only its own code."""
+        kept, tb = [], error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in ("<nonstop-sandbox>", "<string>"):
+                kept.append(tb)
+            tb = tb.tb_next
+        for outer, inner in zip(kept, kept[1:], strict=False):
+            outer.tb_next = inner
+        if kept:
+            kept[-1].tb_next = None
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()  # what it printed before the error, then the error
+        traceback.print_exception(type(error), error, kept[0] if kept else None)
+        sys.stderr.flush()
+
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
-        exec(code, namespace)
+        exec(compile(source, "main.py", "exec"), namespace)
     except SystemExit:
         raise
     except BaseException as error:
-        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
-        sys.stderr.flush()
+        report(error)
         os._exit(1)
 
 
@@ -235,32 +320,46 @@ def _child_source() -> str:
     return _CHILD_SOURCE
 
 
-class _Capture:
-    """Reads one pipe to EOF, keeping the first `limit` bytes and counting the rest."""
+def _readonly_paths(python: str) -> list[str]:
+    """The allow-list: the interpreter's prefix and the system libraries, outermost first."""
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    paths = [prefix] + [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    return [p for i, p in enumerate(paths)
+            if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in paths[:i])]  # fmt: skip
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.kept = bytearray()
-        self.total = 0
 
-    async def drain(self, stream: asyncio.StreamReader, over: asyncio.Event, budget: list[int]):
-        while chunk := await stream.read(65536):
-            self.total += len(chunk)
-            if len(self.kept) < self.limit:
-                self.kept += chunk[: self.limit - len(self.kept)]
-            budget[0] -= len(chunk)
-            if budget[0] < 0:
-                over.set()
+def _bwrap_args(bwrap: str, readonly: list[str], host_scratch: str) -> list[str]:
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]  # fmt: skip
+    if os.getuid() == 0:  # no user namespace: the child keeps only what it needs to become nobody
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user", "--disable-userns"]
+    made: set[str] = set()
+    for path in readonly:
+        # Parents bwrap would make with the host dirs' modes (0700 for /root): make them 0755.
+        parts = path.split("/")[1:-1]
+        for parent in ("/" + "/".join(parts[: i + 1]) for i in range(len(parts))):
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        else:
+            args += ["--ro-bind", path, path]
+    args += ["--bind", host_scratch, SCRATCH, "--tmpfs", "/tmp", "--proc", "/proc", "--dev",
+             "/dev", "--remount-ro", "/", "--chdir", SCRATCH]  # fmt: skip
+    return args
 
-    def text(self) -> str:
-        text = self.kept.decode("utf-8", errors="replace")
-        if self.total > len(self.kept):
-            text += f"\n[truncated {self.total - len(self.kept)} bytes]"
-        return text
+
+# (isolation, python, uid) -> the mechanism that works, or the reason each failed. Probed once.
+_PROBED: dict[tuple[str, str, int], tuple[str | None, str]] = {}
 
 
 class Sandbox:
-    """Runs Python source in an isolated child process; at most `max_concurrency` at once."""
+    """Runs Python source in an isolated child process; at most `max_concurrency` at once.
+
+    Raises `SandboxUnavailable` when the config's `isolation` cannot be had here."""
 
     def __init__(self, config: SandboxConfig | None = None):
         self.config = config or SandboxConfig()
@@ -269,7 +368,61 @@ class Sandbox:
             self._uid, self._gid = nobody.pw_uid, nobody.pw_gid
         except KeyError:
             self._uid, self._gid = 65534, 65534
+        self._readonly = _readonly_paths(self.config.python)
+        self._bwrap = shutil.which("bwrap")
+        self.isolation: str = self._resolve_isolation()
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _resolve_isolation(self) -> str:
+        wanted = self.config.isolation
+        if wanted == "none":
+            warnings.warn(
+                "SandboxConfig.isolation='none': model code runs with no filesystem, process or "
+                "network boundary and can read whatever this user can (reward-hacking risk)",
+                RuntimeWarning, stacklevel=3,
+            )  # fmt: skip
+            return "none"
+        key = (wanted, self.config.python, os.getuid())
+        if key not in _PROBED:
+            reasons = []
+            for mechanism in ("bubblewrap", "namespaces") if wanted == "auto" else (wanted,):
+                why = self._probe(mechanism)
+                if why is None:
+                    _PROBED[key] = (mechanism, "")
+                    break
+                reasons.append(f"{mechanism}: {why}")
+            else:
+                _PROBED[key] = (None, "; ".join(reasons))
+        mechanism, why = _PROBED[key]
+        if mechanism is None:
+            raise SandboxUnavailable(
+                f"SandboxConfig.isolation={wanted!r}: no sandbox boundary can be had here ({why}). "
+                "Install bubblewrap (apt-get install bubblewrap), allow user namespaces "
+                "(sysctl user.max_user_namespaces > 0), or set SandboxConfig.isolation='none' to "
+                "run model code with no boundary (it can then read the host's files)"
+            )
+        return mechanism
+
+    def _probe(self, mechanism: str) -> str | None:
+        """Run `pass` under `mechanism`; None if it worked, else why not."""
+        if mechanism == "bubblewrap" and self._bwrap is None:
+            return "no bwrap binary on PATH (the Debian/Ubuntu package is `bubblewrap`)"
+        base = self._make_scratch("pass")
+        status_r, status_w = os.pipe()
+        try:
+            argv, env = self._command(mechanism, base, status_w)
+            proc = subprocess.run(argv, env=env, cwd="/", pass_fds=(status_w,), timeout=30,
+                                  stdin=subprocess.DEVNULL, capture_output=True)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return str(error)
+        finally:
+            os.close(status_w)
+            os.close(status_r)
+            shutil.rmtree(base, True)
+        if proc.returncode != 0:
+            err = proc.stderr.decode(errors="replace").strip().splitlines()
+            return f"exit {proc.returncode}: {err[-1] if err else 'no message'}"
+        return None
 
     def _semaphore(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -280,38 +433,57 @@ class Sandbox:
     async def run(self, code: str, stdin: str | None = None) -> SandboxResult:
         """Run `code` as a script; never raises for anything the code does."""
         async with self._semaphore():
-            scratch = await asyncio.to_thread(self._make_scratch, code)
+            base = await asyncio.to_thread(self._make_scratch, code)
             try:
-                return await self._run_in(scratch, stdin)
+                return await self._run_in(base, stdin)
             finally:
-                await asyncio.to_thread(shutil.rmtree, scratch, True)
+                await asyncio.to_thread(shutil.rmtree, base, True)
 
     def _make_scratch(self, code: str) -> str:
-        scratch = os.path.realpath(
+        """`base/scratch` (the run's writable dir, holding main.py) and `base/root` (the mount
+        point the namespaces mechanism builds its root on)."""
+        base = os.path.realpath(
             tempfile.mkdtemp(prefix="nonstop-sandbox-", dir=self.config.scratch_root)
         )
+        os.chmod(base, 0o755)
+        scratch = os.path.join(base, "scratch")
+        os.mkdir(scratch)
+        os.mkdir(os.path.join(base, "root"))
         with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         if os.getuid() == 0:
             os.chown(scratch, self._uid, self._gid)
-        return scratch
+        return base
 
-    async def _run_in(self, scratch: str, stdin: str | None) -> SandboxResult:
+    def _command(self, mechanism: str, base: str, status_w: int) -> tuple[list[str], dict]:
+        cfg = self.config
+        host_scratch = os.path.join(base, "scratch")
+        scratch = host_scratch if mechanism == "none" else SCRATCH
+        child_cfg = {
+            "isolation": mechanism, "scratch": scratch, "host_scratch": host_scratch,
+            "new_root": os.path.join(base, "root"), "readonly": self._readonly,
+            "status_fd": status_w, "uid": self._uid, "gid": self._gid, "cpu_s": cfg.cpu_s,
+            "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb,
+            "python_guards": cfg.python_guards,
+        }  # fmt: skip
+        python = os.path.realpath(cfg.python)
+        argv = [python, "-I", "-S", "-c", _BOOT, _child_source(), json.dumps(child_cfg)]
+        if mechanism == "bubblewrap":
+            argv = _bwrap_args(self._bwrap, self._readonly, host_scratch) + argv
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": "/tmp"}
+        if mechanism == "none":
+            env["TMPDIR"] = scratch
+        return argv, env
+
+    async def _run_in(self, base: str, stdin: str | None) -> SandboxResult:
         cfg = self.config
         status_r, status_w = os.pipe()
-        child_cfg = {
-            "scratch": scratch, "status_fd": status_w, "uid": self._uid, "gid": self._gid,
-            "cpu_s": cfg.cpu_s, "memory_mb": cfg.memory_mb, "max_file_mb": cfg.max_file_mb,
-            "python_guards": cfg.python_guards, "require_os": cfg.require_os_isolation,
-            "n_os_guards": len(OS_GUARDS),
-        }  # fmt: skip
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": scratch, "TMPDIR": scratch}
+        argv, env = self._command(self.isolation, base, status_w)
         start = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
-                cfg.python, "-I", "-S", "-c", _child_source(), json.dumps(child_cfg),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, cwd=scratch, pass_fds=(status_w,),
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=env, cwd="/", pass_fds=(status_w,),
                 start_new_session=True,
             )  # fmt: skip
         finally:
@@ -342,6 +514,8 @@ class Sandbox:
             over_wait.cancel()
             guards = _read_status(status_r)
         code = proc.returncode
+        if self.isolation == "bubblewrap" and code is not None and code > 128 and killed is None:
+            code = -(code - 128)  # bwrap exits 128 + signal when a signal ended its child
         if killed is None and code is not None and code < 0:
             # SIGXCPU at the soft CPU limit, SIGKILL at the hard one (nobody else kills it).
             cpu = code in (-signal.SIGXCPU, -signal.SIGKILL)
@@ -366,6 +540,30 @@ class Sandbox:
                 proc.stdin.write(stdin.encode())
                 await proc.stdin.drain()
             proc.stdin.close()
+
+
+class _Capture:
+    """Reads one pipe to EOF, keeping the first `limit` bytes and counting the rest."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.kept = bytearray()
+        self.total = 0
+
+    async def drain(self, stream: asyncio.StreamReader, over: asyncio.Event, budget: list[int]):
+        while chunk := await stream.read(65536):
+            self.total += len(chunk)
+            if len(self.kept) < self.limit:
+                self.kept += chunk[: self.limit - len(self.kept)]
+            budget[0] -= len(chunk)
+            if budget[0] < 0:
+                over.set()
+
+    def text(self) -> str:
+        text = self.kept.decode("utf-8", errors="replace")
+        if self.total > len(self.kept):
+            text += f"\n[truncated {self.total - len(self.kept)} bytes]"
+        return text
 
 
 def _kill_group(pid: int) -> None:

@@ -8,8 +8,10 @@ and a kill (timeout, CPU, output) to the model as text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import signal
 
 from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
@@ -31,25 +33,51 @@ _TEMPLATES = (
 )  # fmt: skip
 
 
-def format_result(result: SandboxResult) -> str:
-    """The tool output the model sees for one run."""
+def format_result(result: SandboxResult, max_chars: int = 4096) -> str:
+    """The tool output the model sees for one run, at most `max_chars` long.
+
+    The last line says how the run ended (killed and why, or a non-zero exit code); output too
+    long to fit loses its middle, so that line, the start of stdout and the end of stderr (where a
+    traceback's error is) always reach the model."""
     parts = [result.stdout] if result.stdout else []
     if result.stderr:
         parts.append(f"stderr:\n{result.stderr}")
     if result.killed_reason == "timeout":
-        parts.append(f"[killed: timed out after {result.duration_s:.1f}s]")
-    elif result.killed_reason is not None:
-        parts.append(f"[killed: {result.killed_reason}]")
+        status = f"[killed: timed out after {result.duration_s:.1f}s]"
+    elif result.killed_reason == "cpu_limit":
+        status = "[killed: used up its CPU-time limit]"
+    elif result.killed_reason == "output_limit":
+        status = "[killed: printed more output than the sandbox allows]"
+    elif result.killed_reason == "signal":
+        status = f"[killed by signal {_signal_name(result.exit_code)}]"
     elif result.exit_code:
-        parts.append(f"[exit code {result.exit_code}]")
-    return "\n".join(parts) if parts else "[no output]"
+        status = f"[exit code {result.exit_code}]"
+    else:
+        status = "" if parts else "[no output]"
+    body = "\n".join(parts)
+    room = max_chars - len(status) - 1
+    if len(body) > room:
+        marker = f"\n[... {len(body) - room} chars cut ...]\n"
+        keep = max(room - len(marker), 0)
+        body = body[: keep - keep // 2] + marker + body[len(body) - keep // 2 :]
+        body = body[: max(room, 0)]
+    return "\n".join(p for p in (body, status) if p)[:max_chars]
+
+
+def _signal_name(exit_code: int | None) -> str:
+    with contextlib.suppress(TypeError, ValueError):
+        return signal.Signals(-exit_code).name
+    return str(exit_code)
+
+
+_MAX_OUTPUT_CHARS = 4096
 
 
 def python_tool(sandbox: Sandbox, *, timeout_s: float = 60.0) -> Tool:
     """A `python(code)` tool; `timeout_s` covers waiting for a sandbox slot plus the run."""
 
     async def python(code: str) -> str:
-        return format_result(await sandbox.run(code))
+        return format_result(await sandbox.run(code), max_chars=_MAX_OUTPUT_CHARS)
 
     return Tool(
         python,
@@ -61,7 +89,7 @@ def python_tool(sandbox: Sandbox, *, timeout_s: float = 60.0) -> Tool:
             "required": ["code"],
         },
         timeout_s=timeout_s,
-        max_output_chars=4096,
+        max_output_chars=_MAX_OUTPUT_CHARS,
     )
 
 
