@@ -20,10 +20,8 @@ from nonstop.train import (
     OptimizerConfig,
     PackingConfig,
     TokenSequence,
-    TrainState,
-    build_optimizer,
-    make_train_step,
     pack_units,
+    setup_train_step,
 )
 
 
@@ -50,9 +48,8 @@ def demonstration_sequence(task: Task, tokenizer: Tokenizer, example, add_bos: b
 def supervised_warmup(model: Decoder, tokenizer: Tokenizer, task: Task, cfg: WarmupConfig, *,
                       seed: int = 0, eval_fn=None, eval_every: int = 0) -> Decoder:
     """`cfg.steps` SFT steps on fresh demonstrations; returns the trained model."""
-    optimizer = build_optimizer(cfg.optimizer)
-    state = TrainState.create(model, optimizer, rng=jax.random.key(seed))
-    step = make_train_step(sft_loss_fn(), optimizer)
+    setup = setup_train_step(model, sft_loss_fn(), cfg.optimizer, seed=seed)
+    state, step = setup.state, setup.step
     examples = task.iter_examples("train", seed + 17)
 
     def units():
