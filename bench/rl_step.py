@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import numpy as np
 import tokenizers
-from nonstop.rl.learner import BatchLearnerConfig, Learner, RolloutConfig
 
 from bench.agentic import model_config
 from bench.tunix_rl_step import (
@@ -64,6 +63,15 @@ from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.rl.rewards import Example, Reward
 from nonstop.train import OptimizerConfig, PackingConfig
+
+try:
+    from nonstop.rl.learner import BatchLearnerConfig, Learner, RolloutConfig
+except ImportError as missing:  # single-turn RL moving onto agentic.single_turn's learner
+    raise SystemExit(
+        "bench.rl_step measures nonstop.rl.learner.Learner (the batch learner), which this "
+        "checkout does not have; build the step from agentic.single_turn.PromptEpisodes and "
+        "agentic.streaming.StreamingLearner as nonstop/recipes/rl_recipe.py does, and time each "
+        "step from its on_step records") from missing
 
 TUNIX_VERSION = "0.1.7"
 MODES = {"staleness0": None,
