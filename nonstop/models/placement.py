@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,9 +71,33 @@ def transposed(stored: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
     rows = stored.size // cols
     src = _as_bits(stored).reshape(rows, cols)
     dst = _as_bits(out).reshape(cols, rows)
-    for i in range(0, rows, _BLOCK_ROWS):
-        dst[:, i:i + _BLOCK_ROWS] = src[i:i + _BLOCK_ROWS].T
+
+    def blocks(start: int, stop: int) -> None:
+        for i in range(start, stop, _BLOCK_ROWS):
+            dst[:, i:i + _BLOCK_ROWS] = src[i:i + _BLOCK_ROWS, :].T
+
+    # Row ranges on the cores (numpy copies release the GIL): the host transpose is the
+    # loader's main cost beyond reading the bytes.
+    step = max(_BLOCK_ROWS, -(-rows // _workers() // _BLOCK_ROWS) * _BLOCK_ROWS)
+    if rows * cols < _PARALLEL_MIN_ELEMENTS or step >= rows:
+        blocks(0, rows)
+        return out
+    futures = [_pool().submit(blocks, a, min(a + step, rows)) for a in range(0, rows, step)]
+    for future in futures:
+        future.result()
     return out
+
+
+_PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller transposes are not worth a hand-off
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_workers(), thread_name_prefix="checkpoint-transpose")
 
 
 @functools.lru_cache(maxsize=64)

@@ -71,3 +71,15 @@ def test_borrowed_buffer_can_be_overwritten_after_placing(on_host):
     got = place(to_ours(hf), np.dtype(np.float32), device, borrowed=True, on_host=on_host)
     buffer[...] = 0
     np.testing.assert_array_equal(np.asarray(got), np.arange(D, dtype=np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("layout", ["q_proj", "o_proj"])
+def test_large_transposes_split_over_threads_equal_numpy(dtype, layout):
+    """Big enough for the threaded path (row ranges of unequal size: 1009 rows is prime)."""
+    big = (1009, 67 * 4) if layout == "q_proj" else (67 * 4, 1009)
+    hf = _hf(big, dtype, seed=3)
+    stored, perm = as_stored(hf.T)
+    got = transposed(stored, perm)
+    assert got.ctypes.data % 64 == 0 and got.flags.c_contiguous
+    np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(hf.T).view(np.uint8))
