@@ -18,7 +18,11 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 	touch $@
 
 # The tests need torch (for transformers parity), installed first at the pinned version.
+# bubblewrap (Debian's package) gives the python tool's sandbox its strongest boundary; without
+# it the sandbox uses the kernel's namespaces directly, so this is best-effort.
 $(TEST_STAMP): pyproject.toml | $(PY)
+	-command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || true
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@

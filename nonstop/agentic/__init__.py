@@ -41,9 +41,11 @@ from nonstop.agentic.ray_backend import (
     RayEnvironmentPool,
     init_ray,
 )
-from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
+from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
+from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptInteraction
 from nonstop.agentic.streaming import (
     NoSamplesError,
+    NoVarianceError,
     StalenessGate,
     StepRecord,
     StreamingLearner,
@@ -75,6 +77,10 @@ __all__ = [
     "StalenessGate",
     "StepRecord",
     "StreamingLearner",
+    "ExampleStream",
+    "NoVarianceError",
+    "PromptEpisodes",
+    "PromptInteraction",
     "SyncLearner",
     "ChatInteraction",
     "Interaction",
@@ -98,6 +104,7 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxResult",
+    "SandboxUnavailable",
     "StepResult",
     "Task",
     "Tool",
