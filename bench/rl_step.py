@@ -17,7 +17,7 @@ push to the engine. Its parts come from nonstop's perf spans (`rollout/queue_wai
 pass is wrapped to wait for its result, so the reference pass is not counted inside the train
 step that waits on it. Tunix's side (bench/tunix_rl_step.py) runs in its own Python
 (`--tunix-python`, or `--make-tunix-env DIR` builds one) as a subprocess; repetitions alternate
-the two sides. Medians over the timed steps, then over repetitions; compiles after warm-up are
+the two sides. nonstop's steps run inside `gc_heap_frozen()`, as `nonstop rl` runs its learner. Medians over the timed steps, then over repetitions; compiles after warm-up are
 counted. `--profile DIR` adds a breakdown of nonstop's step (jax.profiler trace, packing fill,
 isolated pass times, donation warnings, host round trips).
 
@@ -57,7 +57,7 @@ from bench.tunix_rl_step import (
     prompts_of,
 )
 from nonstop import perf
-from nonstop.engine import Engine, EngineConfig, SamplingParams
+from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.models import Tokenizer, init_decoder
 from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -193,7 +193,7 @@ def nonstop_repeat(setup: Setup, steps: int, compiles: CompileCounter,
                    workdir: Path) -> dict[str, Any]:
     first = setup.learner.step
     before = compiles.count
-    with perf.run(workdir):
+    with perf.run(workdir), gc_heap_frozen():  # as `nonstop rl` runs its learner
         asyncio.run(run_steps(setup.learner, steps))
     after = compiles.count - before
     rows = step_parts(workdir / "events.jsonl", first)
@@ -366,7 +366,7 @@ def main() -> None:
     setup = build(args)
     setup.engine.start()
     with tempfile.TemporaryDirectory() as tmp:
-        with perf.run(Path(tmp) / "warmup"):
+        with perf.run(Path(tmp) / "warmup"), gc_heap_frozen():
             asyncio.run(run_steps(setup.learner, warmup))
         print(f"nonstop: built and warmed up ({warmup} steps) in {time.perf_counter() - t:.1f}s;"
               f" {jax.default_backend()}, {steps} timed steps x {repeats} repetitions; packing "
