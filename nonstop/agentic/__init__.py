@@ -42,7 +42,6 @@ from nonstop.agentic.ray_backend import (
     init_ray,
 )
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
-from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptInteraction
 from nonstop.agentic.streaming import (
     NoSamplesError,
     NoVarianceError,
@@ -77,10 +76,7 @@ __all__ = [
     "StalenessGate",
     "StepRecord",
     "StreamingLearner",
-    "ExampleStream",
     "NoVarianceError",
-    "PromptEpisodes",
-    "PromptInteraction",
     "SyncLearner",
     "ChatInteraction",
     "Interaction",
