@@ -92,7 +92,9 @@ _PARALLEL_MIN_ELEMENTS = 1 << 16  # smaller transposes are not worth a hand-off
 
 
 def _workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """The cores this process may run on (its affinity mask), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
 
 
 @functools.cache
