@@ -44,7 +44,6 @@ from nonstop.agentic.ray_backend import (
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
 from nonstop.agentic.streaming import (
     NoSamplesError,
-    NoVarianceError,
     StalenessGate,
     StepRecord,
     StreamingLearner,
@@ -76,7 +75,6 @@ __all__ = [
     "StalenessGate",
     "StepRecord",
     "StreamingLearner",
-    "NoVarianceError",
     "SyncLearner",
     "ChatInteraction",
     "Interaction",
