@@ -42,8 +42,10 @@ from nonstop.agentic.ray_backend import (
     init_ray,
 )
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
+from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptInteraction
 from nonstop.agentic.streaming import (
     NoSamplesError,
+    NoVarianceError,
     StalenessGate,
     StepRecord,
     StreamingLearner,
@@ -75,6 +77,10 @@ __all__ = [
     "StalenessGate",
     "StepRecord",
     "StreamingLearner",
+    "ExampleStream",
+    "NoVarianceError",
+    "PromptEpisodes",
+    "PromptInteraction",
     "SyncLearner",
     "ChatInteraction",
     "Interaction",

@@ -129,12 +129,16 @@ class StreamingLearnerConfig:
     episode could ever start. queue_capacity: complete groups held for the learner; None:
     (max_staleness + 1) * groups_per_step, the most that admission ever lets exist (so the
     admission rule, not the queue, is what holds the producer back).
+    max_dropped_groups_per_step: groups the queue may drop (flat rewards under dynamic sampling,
+    failed episodes) while one step collects its groups; more stops the run with
+    `NoVarianceError`. None: no bound (the learner keeps drawing groups).
     """
 
     groups_per_step: int = 4
     max_staleness: int = 1
     sync_every: int = 1
     queue_capacity: int | None = None
+    max_dropped_groups_per_step: int | None = None
     orchestrator: OrchestratorConfig = OrchestratorConfig()
 
     def __post_init__(self) -> None:
@@ -150,6 +154,9 @@ class StreamingLearnerConfig:
         _check(self.queue_capacity is None or self.queue_capacity >= most, owner,
                "queue_capacity", self.queue_capacity,
                f"None or an int >= (max_staleness + 1) * groups_per_step = {most}")
+        _check(self.max_dropped_groups_per_step is None or self.max_dropped_groups_per_step >= 0,
+               owner, "max_dropped_groups_per_step", self.max_dropped_groups_per_step,
+               "None or an int >= 0")
 
     def queue_config(self, algorithm: RLAlgorithmConfig) -> GroupQueueConfig:
         capacity = self.queue_capacity or (self.max_staleness + 1) * self.groups_per_step

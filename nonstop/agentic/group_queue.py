@@ -176,6 +176,12 @@ class GroupQueue:
         """Ids of the ready groups, oldest first."""
         return list(self._ready)
 
+    def next_change(self) -> asyncio.Event:
+        """The event the next change sets. Take it before looking at the queue and wait on it
+        after: a change in between (before a task started with `ensure_future` first runs) is
+        then not missed."""
+        return self._changed
+
     async def wait_for_change(self) -> None:
         """Until a group is made ready, taken or dropped (or the queue closes)."""
         self._check_open()

@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -47,10 +47,12 @@ from nonstop.rl.trajectory import Trajectory
 from nonstop.train import distributed
 
 
-def process_group_ids(groups_per_step: int, processes: int, rank: int) -> Iterator[int]:
-    """Process `rank`'s group ids: its contiguous block of each step's `groups_per_step` ids."""
+def process_group_ids(groups_per_step: int, processes: int, rank: int, *, first_step: int = 0
+                      ) -> Iterator[int]:
+    """Process `rank`'s group ids: its contiguous block of each step's `groups_per_step` ids,
+    from step `first_step`'s block on."""
     share = groups_per_step // processes
-    for step in itertools.count():
+    for step in itertools.count(first_step):
         start = step * groups_per_step + rank * share
         yield from range(start, start + share)
 
@@ -119,6 +121,11 @@ class NoSamplesError(RuntimeError):
     """A step's episodes all ended before the policy sampled a token: nothing to train on."""
 
 
+class NoVarianceError(RuntimeError):
+    """The queue dropped more groups (flat rewards, failed episodes) while one step collected
+    its groups than `StreamingLearnerConfig.max_dropped_groups_per_step` allows."""
+
+
 def no_samples_cause(step: int, trajectories: list[Trajectory]) -> str:
     """Why a step has nothing to train on: its episodes' outcomes and prompt lengths."""
     outcomes = collections.Counter(str(t.info.get("status", "unknown")) for t in trajectories)
@@ -143,12 +150,21 @@ class StepRecord:
     train_s: float
     sync_s: float
     published: int | None  # the version pushed to the engine after this step, if any
+    completion_tokens: float = 0.0  # mean tokens sampled per episode
+
+
+StepHook = Callable[[StepRecord], Awaitable[None]]
 
 
 class _Learner:
     def __init__(self, trainer: PolicyTrainer, engine: Engine, make_interaction:
-                 InteractionFactory, config: StreamingLearnerConfig | None = None) -> None:
+                 InteractionFactory, config: StreamingLearnerConfig | None = None, *,
+                 on_step: StepHook | None = None) -> None:
+        """`on_step(record)` is awaited after each step (its weights pushed, if due), before the
+        next step collects: evaluation, metrics and checkpoints go there."""
         self.trainer = trainer
+        self.on_step = on_step
+        self._drops_seen = 0
         self.engine = engine
         self.make_interaction = make_interaction
         config = config or StreamingLearnerConfig()
@@ -162,7 +178,9 @@ class _Learner:
         capacity = config.queue_capacity
         self.config = dataclasses.replace(
             config, groups_per_step=config.groups_per_step // self.processes,
-            queue_capacity=None if capacity is None else -(-capacity // self.processes))
+            queue_capacity=None if capacity is None else -(-capacity // self.processes),
+            max_dropped_groups_per_step=None if config.max_dropped_groups_per_step is None
+            else -(-config.max_dropped_groups_per_step // self.processes))
         self.version = engine.policy_version
         self._base = self.version  # version at the start of run(): sync_every counts from it
         self.records: list[StepRecord] = []
@@ -189,10 +207,11 @@ class _Learner:
         if penalise:
             kl_sum = await asyncio.to_thread(self._penalise_kl, groups)
         metrics = await asyncio.to_thread(self.trainer.train, trajectories)
-        totals = [sum(t.reward for t in trajectories), len(trajectories), kl_sum]
+        totals = [sum(t.reward for t in trajectories), len(trajectories), kl_sum,
+                  sum(t.num_sampled for t in trajectories)]
         if self.processes > 1:  # a collective: off the event loop
             totals = await asyncio.to_thread(distributed.sum_over_processes, totals)
-        reward_sum, count, kl_sum = totals
+        reward_sum, count, kl_sum, token_sum = totals
         if penalise:
             metrics = {**metrics, "kl_penalty": float(kl_sum / max(count, 1))}
         train_s = time.perf_counter() - t0
@@ -207,7 +226,8 @@ class _Learner:
                             metrics=metrics, staleness=staleness,
                             reward_mean=float(reward_sum / max(count, 1)),
                             data_wait_s=data_wait_s, train_s=train_s, sync_s=sync_s,
-                            published=published)
+                            published=published,
+                            completion_tokens=float(token_sum / max(count, 1)))
         self.records.append(record)
         return record
 
@@ -240,6 +260,26 @@ class _Learner:
 
     def _start_run(self) -> None:
         self._base = self.version
+        self._drops_seen = 0
+
+    def _check_drops(self, queue: GroupQueue, collected: int) -> None:
+        """Stop if this step's collection saw more drops than `max_dropped_groups_per_step`."""
+        bound = self.config.max_dropped_groups_per_step
+        dropped = sum(queue.dropped.values()) - self._drops_seen
+        if bound is not None and dropped > bound:
+            reasons = ", ".join(f"{r} x{n}" for r, n in queue.dropped.most_common())
+            raise NoVarianceError(
+                f"step {self.version}: the group queue dropped {dropped} groups while the step "
+                f"collected {collected} of its {self.config.groups_per_step} (over the run: "
+                f"{reasons}), more than max_dropped_groups_per_step={bound}. Flat groups carry "
+                "no gradient: raise the bound, the group size or the sampling temperature; "
+                "failed episodes: see their errors")
+
+    async def _end_step(self, record: StepRecord) -> None:
+        if self.queue is not None:
+            self._drops_seen = sum(self.queue.dropped.values())
+        if self.on_step is not None:
+            await self.on_step(record)
 
 
 class StreamingLearner(_Learner):
@@ -267,9 +307,12 @@ class StreamingLearner(_Learner):
                     groups = await self._collect(queue, gate, producer)
                 record = await self._train(groups, time.perf_counter() - t0)
                 gate.trained(record.group_ids)
+                out.append(record)
+                # Before the new version admits groups: at max_staleness 0 the hook (evaluation,
+                # checkpoints) sees the engine idle and no group of the next step started.
+                await self._end_step(record)
                 if record.published is not None:
                     gate.published(record.published)
-                out.append(record)
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
@@ -283,16 +326,18 @@ class StreamingLearner(_Learner):
         chosen: dict[int, ScoredGroup] = {}
         B = self.config.groups_per_step
         while len(chosen) < B:
+            changed = queue.next_change()  # before looking: no group made ready is missed
             left = B - len(chosen)
             pick = next((g for g in queue.ready_ids() if gate.can_take(g, chosen, left)), None)
             if pick is not None:
                 chosen[pick] = queue.pop(pick)
                 continue
+            self._check_drops(queue, len(chosen))
             if producer.done():
                 producer.result()  # re-raises a producer failure
                 raise RuntimeError(f"the rollout ran out of groups after {len(self.records)} "
                                    f"steps ({len(chosen)} of {B} groups for the next one)")
-            change = asyncio.ensure_future(queue.wait_for_change())
+            change = asyncio.ensure_future(changed.wait())
             await asyncio.wait({change, producer}, return_when=asyncio.FIRST_COMPLETED)
             change.cancel()
         return list(chosen.values())
@@ -317,13 +362,16 @@ class SyncLearner(_Learner):
                 kept: list[ScoredGroup] = []
                 with perf.span(perf.TRAIN_DATA_WAIT, step=self.version):
                     while len(kept) < B:
+                        self._check_drops(queue, len(kept))
                         batch = list(itertools.islice(ids, B - len(kept)))
                         if not batch:
                             raise RuntimeError("the rollout ran out of groups")
                         await orchestrator.run(batch)
                         ready = set(queue.ready_ids())
                         kept += [queue.pop(g) for g in batch if g in ready]
-                out.append(await self._train(kept, time.perf_counter() - t0))
+                record = await self._train(kept, time.perf_counter() - t0)
+                out.append(record)
+                await self._end_step(record)
         finally:
             await orchestrator.close()
             queue.close()
