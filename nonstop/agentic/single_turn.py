@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
 import numpy as np
 
@@ -28,27 +27,9 @@ from nonstop import perf
 from nonstop.agentic.orchestrator import EpisodeSpec
 from nonstop.agentic.trajectory_builder import Interaction, TurnResult
 from nonstop.engine import Engine, FinishReason, SamplingParams
-from nonstop.models import Conversation, Message, Tokenizer
+from nonstop.models import Tokenizer
+from nonstop.rl.prompts import PromptFormat, answer_text, encode_prompt
 from nonstop.rl.rewards import Example, OnError, Reward, RewardError, evaluate_rewards
-
-PromptFormat = Literal["raw", "chat"]
-
-
-def encode_prompt(tokenizer: Tokenizer, prompt: str, fmt: PromptFormat, add_bos: bool) -> list[int]:
-    """The token ids the engine is given for a prompt ("chat": a user turn and the generation
-    header of the tokenizer's chat template)."""
-    if fmt == "chat":
-        conversation = Conversation(tokenizer)
-        conversation.append_messages([Message.user(prompt)])
-        return list(conversation.generation_prompt_tokens())
-    ids = tokenizer.encode(prompt)
-    return ([tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []) + ids
-
-
-def answer_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """Sampled ids as the text a reward sees: stop tokens and special tokens dropped."""
-    kept = [int(x) for x in ids if int(x) not in tokenizer.eos_ids]
-    return tokenizer.decode(kept, skip_special_tokens=True)
 
 
 class ExampleStream:

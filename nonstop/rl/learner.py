@@ -26,15 +26,14 @@ import numpy as np
 
 from nonstop import perf
 from nonstop.engine import Engine, SamplingParams
-from nonstop.models import Conversation, Message, Tokenizer
+from nonstop.models import Tokenizer
 from nonstop.models.validation import check, check_int, check_ints
 from nonstop.rl.advantages import episode_advantages, overlong_penalty
 from nonstop.rl.policy_trainer import PolicyTrainer
+from nonstop.rl.prompts import PromptFormat, answer_text, encode_prompt
 from nonstop.rl.rewards import Example, OnError, Reward, evaluate_rewards
 from nonstop.rl.trajectory import Trajectory
 from nonstop.train import distributed
-
-PromptFormat = Literal["raw", "chat"]
 
 
 class NoVarianceError(RuntimeError):
@@ -75,16 +74,6 @@ class BatchLearnerConfig:
     reward_on_error: OnError = "skip"
     eval_every: int = 0  # steps between greedy held-out evaluations (0: only start and end)
     seed: int = 0
-
-
-def encode_prompt(tokenizer: Tokenizer, prompt: str, fmt: PromptFormat, add_bos: bool) -> list[int]:
-    """The token ids the engine is given for a prompt."""
-    if fmt == "chat":
-        conversation = Conversation(tokenizer)
-        conversation.append_messages([Message.user(prompt)])
-        return list(conversation.generation_prompt_tokens())
-    ids = tokenizer.encode(prompt)
-    return ([tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []) + ids
 
 
 @dataclasses.dataclass
@@ -146,8 +135,7 @@ class Learner:
 
     def answer_text(self, ids: Sequence[int]) -> str:
         """Sampled ids as the text a reward sees: stop tokens and special tokens dropped."""
-        kept = [int(x) for x in ids if int(x) not in self.tokenizer.eos_ids]
-        return self.tokenizer.decode(kept, skip_special_tokens=True)
+        return answer_text(self.tokenizer, ids)
 
     def completion_text(self, t: Trajectory) -> str:
         return self.answer_text(t.tokens[t.prompt_length:])

@@ -16,7 +16,7 @@ from flax import nnx
 
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
-from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, answer_text, encode_prompt
+from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes
 from nonstop.agentic.streaming import NoVarianceError, StreamingLearner, SyncLearner
 from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
@@ -24,6 +24,7 @@ from nonstop.models.char_tokenizer import char_tokenizer
 from nonstop.recipes.tasks import ArithmeticTask
 from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
+from nonstop.rl.prompts import answer_text, encode_prompt
 from nonstop.rl.rewards import Example, Reward, RewardError
 from nonstop.train import OptimizerConfig, PackingConfig
 
