@@ -37,11 +37,6 @@ BuiltinTask = Literal["reverse", "arithmetic"]
 RejectedKind = Literal["mistake", "shout"]
 
 
-def _fail(where: str, value: object, valid: str) -> None:
-    owner, _, field = where.partition(".")
-    raise invalid(owner, field, value, valid)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BuiltinData:
     """A built-in synthetic task written as JSONL into the run directory (`nonstop.recipes`).
@@ -62,9 +57,9 @@ class BuiltinData:
         check_choice("BuiltinData", "task", self.task, BuiltinTask)
         check_choice("BuiltinData", "rejected", self.rejected, RejectedKind)
         if self.num_train < 1 or self.num_eval < 1:
-            _fail("BuiltinData.num_train/num_eval", (self.num_train, self.num_eval), "ints >= 1")
+            raise invalid("BuiltinData", "num_train/num_eval", (self.num_train, self.num_eval), "ints >= 1")
         if not 1 <= self.min_length <= self.max_length:
-            _fail("BuiltinData.min_length", self.min_length, f"in [1, max_length={self.max_length}]")
+            raise invalid("BuiltinData", "min_length", self.min_length, f"in [1, max_length={self.max_length}]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,50 +93,50 @@ class SFTRunConfig:
         check_choice("SFTRunConfig", "dtype", self.dtype, Dtype)
         check_choice("SFTRunConfig", "reference", self.reference, ReferenceMode)
         if not self.run_dir:
-            _fail("SFTRunConfig.run_dir", self.run_dir, "a directory path")
+            raise invalid("SFTRunConfig", "run_dir", self.run_dir, "a directory path")
         if self.steps < 1:
-            _fail("SFTRunConfig.steps", self.steps, "an int >= 1")
+            raise invalid("SFTRunConfig", "steps", self.steps, "an int >= 1")
         if self.grad_accum_steps < 1:
-            _fail("SFTRunConfig.grad_accum_steps", self.grad_accum_steps, "an int >= 1")
+            raise invalid("SFTRunConfig", "grad_accum_steps", self.grad_accum_steps, "an int >= 1")
         if (self.data is None) == (self.builtin_data is None):
-            _fail("SFTRunConfig.builtin_data", self.builtin_data,
+            raise invalid("SFTRunConfig", "builtin_data", self.builtin_data,
                   ("null when data is set" if self.data is not None else
                    "a built-in synthetic task (builtin_data.task=...) when data is not set")
                   + "; set exactly one of data (your .jsonl/.parquet files: data.paths=...) and "
                   "builtin_data")
         if self.data is not None:
             if self.data.packing != PackingConfig():
-                _fail("SFTRunConfig.data.packing", self.data.packing,
+                raise invalid("SFTRunConfig", "data.packing", self.data.packing,
                       "unset: set packing.* at the top level (it applies to every data source)")
             want = "preference" if self.algorithm != "sft" else None
             if want and self.data.kind != want:
-                _fail("SFTRunConfig.data.kind", self.data.kind, f"'preference' for {self.algorithm}")
+                raise invalid("SFTRunConfig", "data.kind", self.data.kind, f"'preference' for {self.algorithm}")
             if not want and self.data.kind == "preference":
-                _fail("SFTRunConfig.data.kind", self.data.kind, "text, prompt_completion or chat "
+                raise invalid("SFTRunConfig", "data.kind", self.data.kind, "text, prompt_completion or chat "
                       "for sft (preference data trains with dpo or orpo)")
         if self.algorithm != "sft" and self.packing.max_segments_per_row % 2:
-            _fail("SFTRunConfig.packing.max_segments_per_row", self.packing.max_segments_per_row,
+            raise invalid("SFTRunConfig", "packing.max_segments_per_row", self.packing.max_segments_per_row,
                   "an even int for preference pairs")
         rows = self.packing.rows_per_batch
         shards = self.mesh.data * self.mesh.fsdp
         if rows % (self.grad_accum_steps * shards):
-            _fail("SFTRunConfig.packing.rows_per_batch", rows,
+            raise invalid("SFTRunConfig", "packing.rows_per_batch", rows,
                   f"a multiple of grad_accum_steps x mesh.data x mesh.fsdp = "
                   f"{self.grad_accum_steps * shards}")
         if self.quantization is not None and self.lora is None:
-            _fail("SFTRunConfig.lora", self.lora, "adapters (lora.rank=...) when quantization "
+            raise invalid("SFTRunConfig", "lora", self.lora, "adapters (lora.rank=...) when quantization "
                   "is set (QLoRA): quantized weights cannot be trained")
         if self.tokenizer.kind == "pretrained" and self.tokenizer.path is None \
                 and self.model.path is None:
-            _fail("SFTRunConfig.tokenizer.path", self.tokenizer.path,
+            raise invalid("SFTRunConfig", "tokenizer.path", self.tokenizer.path,
                   "a tokenizer directory when tokenizer.kind='pretrained' and model.path is "
                   "unset (or tokenizer.kind=char for the built-in character tokenizer)")
         default_total = OptimizerConfig().total_steps
         if self.optimizer.total_steps not in (default_total, self.steps):
-            _fail("SFTRunConfig.optimizer.total_steps", self.optimizer.total_steps,
+            raise invalid("SFTRunConfig", "optimizer.total_steps", self.optimizer.total_steps,
                   f"to be left unset: it follows steps={self.steps}")
         if self.optimizer.warmup_steps > self.steps:
-            _fail("SFTRunConfig.optimizer.warmup_steps", self.optimizer.warmup_steps,
+            raise invalid("SFTRunConfig", "optimizer.warmup_steps", self.optimizer.warmup_steps,
                   f"an int in [0, steps={self.steps}]")
         object.__setattr__(
             self, "optimizer", dataclasses.replace(self.optimizer, total_steps=self.steps)
