@@ -27,7 +27,8 @@ import dataclasses
 import gc
 import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +73,17 @@ def gc_heap_frozen(young_threshold: int = YOUNG_GC_THRESHOLD) -> Iterator[int]:
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamChunk:
+    """What `Engine.stream` yields: the tokens recorded since the previous chunk, their
+    logprobs and policy versions, and on the last chunk the finished `Completion`."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+    completion: Completion | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,6 +202,47 @@ class Engine:
             if self._scheduler is not None:
                 self._scheduler.post(("cancel", request))
             raise
+
+    async def stream(self, token_ids: Sequence[int] | np.ndarray,
+                     params: SamplingParams | None = None, session: Session | None = None
+                     ) -> AsyncIterator[StreamChunk]:
+        """`generate`, yielding the tokens as the device produces them: each chunk holds every
+        token recorded since the previous one (one decode call's, or more if the consumer
+        lags); the last chunk also carries the `Completion`. Leaving the iteration early
+        (break, `aclose`, a cancelled task) cancels the request and frees its slot at once.
+        With `on_weight_update="restart"` a restarted request streams again from its first
+        token; the final completion is authoritative."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        request = self._request(token_ids, params, session, put)
+        request.on_token = lambda token, logprob, version: put((token, logprob, version))
+        self._ensure_started().post(("submit", request))
+        finished = False
+        try:
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                steps = [i for i in items if isinstance(i, tuple)]
+                end = next((i for i in items if not isinstance(i, tuple)), None)
+                if isinstance(end, BaseException):
+                    finished = True
+                    raise end
+                finished = end is not None
+                yield StreamChunk(tokens=tuple(t for t, _, _ in steps),
+                                  logprobs=tuple(lp for _, lp, _ in steps),
+                                  policy_versions=tuple(v for _, _, v in steps),
+                                  completion=end)
+        finally:
+            if not finished and self._scheduler is not None:
+                self._scheduler.post(("cancel", request))
 
     def submit(self, token_ids: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
                session: Session | None = None, *, images: np.ndarray | None = None
@@ -355,4 +408,4 @@ def _prompt_list(token_ids: Sequence[int] | np.ndarray, vocab_size: int, max_len
     return ids.tolist()
 
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats", "StreamChunk"]

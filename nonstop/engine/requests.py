@@ -114,6 +114,9 @@ class Request:
     versions: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     epoch: int = 0  # bumped by restart(): decode steps launched before it are dropped
+    # Called by the scheduler thread with (token, logprob, policy version) as each token is
+    # recorded (Engine.stream sets it; it must only hand the values to another thread).
+    on_token: Callable[[int, float, int], None] | None = None
 
     def finish_reason(self, token: int, tokenizer: Detokenizer | None, max_len: int
                       ) -> tuple[FinishReason | None, Any]:

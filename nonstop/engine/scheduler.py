@@ -484,6 +484,8 @@ class Scheduler(threading.Thread):
         req.sampling_logprobs.append(sampling_logprob)
         req.versions.append(version)
         self.counters.generated_tokens += 1
+        if req.on_token is not None:
+            req.on_token(token, logprob, version)
         try:
             reason, why = req.finish_reason(token, self.tokenizer, self.L)
         except Exception as error:  # noqa: BLE001 - e.g. the tokenizer failed on this request
