@@ -1,5 +1,12 @@
 """The single-turn RL recipe behind `nonstop rl`: a task, a model, an optional SFT warm-up on the
-task's demonstrations, then the batch learner with the algorithm chosen by name.
+task's demonstrations, then RL with the algorithm chosen by name.
+
+Single-turn RL is agentic RL with episodes of one model turn and no tool calls
+(`agentic.single_turn`): it runs through the same orchestrator, group queue and
+`StreamingLearner` as `nonstop agentic`. At `max_staleness: 0` (the default) every step collects
+its groups with the current weights, trains, then pushes the weights: the synchronous learner's
+steps, bit for bit. Group g answers the g-th example of the task's stream; episode i of group g
+samples with a seed derived from (seed, g, i).
 
     cfg = load_config(RLRunConfig, "nonstop/recipes/configs/grpo_arithmetic.yaml", overrides)
     summary = run_rl(cfg)
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -21,19 +29,20 @@ import jax
 from jax.sharding import Mesh
 
 from nonstop import perf
-from nonstop.engine import Engine, EngineConfig, gc_heap_frozen
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
+from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptFormat, greedy_reward
+from nonstop.agentic.streaming import StepRecord, StreamingLearner, process_group_ids
+from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig, place
 from nonstop.models import Decoder, Tokenizer, load_pretrained, save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
-from nonstop.models.validation import check, check_int
+from nonstop.models.validation import check, check_int, check_ints
 from nonstop.recipes.run import RunDirs, start_run
 from nonstop.recipes.tasks import ArithmeticTask, CountdownTask, Gsm8kTask, Task
 from nonstop.recipes.warmup import WarmupConfig, supervised_warmup
 from nonstop.rl import RLAlgorithmConfig
-from nonstop.rl.learner import BatchLearnerConfig, Learner, RolloutConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
-from nonstop.rl.rewards import Example
 from nonstop.train import (
     CheckpointConfig,
     Checkpointer,
@@ -64,6 +73,32 @@ class TaskSettings:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """G samples of each of `prompts_per_step` prompts (per process), each up to
+    `max_new_tokens` tokens, drawn with `sampling`'s temperature, top-k and top-p (its
+    `max_tokens`, stops and seed stay unset: the budget above, the tokenizer's end-of-sequence
+    ids and per-episode seeds apply)."""
+
+    group_size: int = 8  # G
+    prompts_per_step: int = 4
+    max_new_tokens: int = 32
+    sampling: SamplingParams = SamplingParams()
+    prompt_format: PromptFormat = "raw"
+    add_bos: bool = False
+
+    RENAMED = {"temperature": "sampling.temperature", "top_k": "sampling.top_k",
+               "top_p": "sampling.top_p"}
+
+    def __post_init__(self) -> None:
+        owner = "RolloutConfig"
+        check_int(owner, "group_size", self.group_size, low=2)  # group-relative advantages
+        check_ints(owner, self, ("prompts_per_step", "max_new_tokens"))
+        s = self.sampling
+        check(s.max_tokens is None and s.seed is None and not s.stop_token_ids and not s.stop,
+              owner, "sampling", s, "only temperature, top_k and top_p set")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RLRunConfig:
     """Everything one `nonstop rl` run needs; the algorithm is chosen by name."""
 
@@ -85,8 +120,16 @@ class RLRunConfig:
     packing: PackingConfig = PackingConfig(buckets=(64, 128, 256, 512), rows_per_batch=16,
                                            max_segments_per_row=16)
     inner_epochs: int = 1
+    # The learner: how far rollouts may run ahead of training (0: collect, train, push), how
+    # often weights are pushed, how many episodes run at once (None: a step's worth per
+    # version the rollouts may lead by).
+    max_staleness: int = 0
+    sync_every: int = 1
+    max_concurrency: int | None = None
+    # Groups the queue drops (flat rewards under dynamic sampling, failed rewards) are replaced
+    # by new prompts; more than max_sampling_rounds x prompts_per_step drops while one step
+    # collects stops the run (NoVarianceError).
     max_sampling_rounds: int = 4
-    on_no_variance: Literal["skip", "stop"] = "skip"
     reward_on_error: Literal["skip", "zero", "raise"] = "skip"
     engine: EngineConfig = EngineConfig(max_slots=64, max_len=64)
     # Devices: one (the default), a colocated mesh shared by engine and trainer, or disjoint
@@ -94,12 +137,32 @@ class RLRunConfig:
     placement: PlacementConfig = PlacementConfig()
     checkpoint: CheckpointConfig = CheckpointConfig(save_every=20, keep_last=3)
 
-    def learner_config(self) -> BatchLearnerConfig:
-        return BatchLearnerConfig(rollout=self.rollout, steps=self.steps,
-                                  eval_every=self.eval_every,
-                                  max_sampling_rounds=self.max_sampling_rounds,
-                                  on_no_variance=self.on_no_variance,
-                                  reward_on_error=self.reward_on_error, seed=self.seed)
+    # on_no_variance went with the batch learner's sampling rounds: past max_sampling_rounds
+    # the run now always stops.
+    RENAMED = {"on_no_variance": "max_sampling_rounds"}
+
+    def __post_init__(self) -> None:
+        check_int("RLRunConfig", "max_sampling_rounds", self.max_sampling_rounds, low=0)
+        check(self.max_concurrency is None or self.max_concurrency >= 1, "RLRunConfig",
+              "max_concurrency", self.max_concurrency, "null or an int >= 1")
+        self.learner_config()  # validates max_staleness and sync_every
+
+    def learner_config(self, stop_token_ids: tuple[int, ...] = (), processes: int = 1
+                       ) -> StreamingLearnerConfig:
+        """The streaming learner's settings; `rollout.prompts_per_step` is per process."""
+        r = self.rollout
+        groups = r.prompts_per_step * processes
+        agent = AgentConfig(max_turns=1, max_tokens_per_turn=r.max_new_tokens,
+                            max_episode_tokens=r.max_new_tokens, step_timeout_s=None,
+                            sampling=dataclasses.replace(r.sampling,
+                                                         stop_token_ids=stop_token_ids))
+        concurrency = self.max_concurrency or (self.max_staleness + 1) * r.prompts_per_step * \
+            r.group_size
+        return StreamingLearnerConfig(
+            groups_per_step=groups, max_staleness=self.max_staleness, sync_every=self.sync_every,
+            max_dropped_groups_per_step=self.max_sampling_rounds * groups,
+            orchestrator=OrchestratorConfig(group_size=r.group_size, max_concurrency=concurrency,
+                                            seed=self.seed, agent=agent))
 
     def algorithm_config(self) -> RLAlgorithmConfig:
         """The named preset, its length constants set from `rollout.max_new_tokens`."""
@@ -128,21 +191,14 @@ def build_task(cfg: TaskSettings) -> Task:
     return Gsm8kTask.from_file(cfg.path)
 
 
-class CountingIterator:
-    """An example stream that knows how many examples it has handed out (for resume)."""
-
-    def __init__(self, it: Iterator[Example], skip: int = 0) -> None:
-        self._it = it
-        self.consumed = 0
-        for _ in range(skip):
-            next(self)
-
-    def __iter__(self) -> CountingIterator:
-        return self
-
-    def __next__(self) -> Example:
-        self.consumed += 1
-        return next(self._it)
+def resumed_group_ids(consumed: int, groups_per_step: int) -> Iterator[int]:
+    """This process's group ids from where a run that consumed `consumed` groups stopped: one
+    process continues at `consumed`; several continue at the next step block of ids."""
+    processes = jax.process_count()
+    if processes == 1:
+        return itertools.count(consumed)
+    return process_group_ids(groups_per_step, processes, jax.process_index(),
+                             first_step=-(-consumed // groups_per_step))
 
 
 def initial_policy(cfg: RLRunConfig, run: RunDirs, tokenizer: Tokenizer, task: Task,
@@ -187,7 +243,8 @@ class RLCheckpoints:
         return cls(Checkpointer(cfg.in_run(run.root)), critic)
 
     def restore(self, trainer: PolicyTrainer, run: RunDirs) -> tuple[int, int]:
-        """Restore the trainer in place; (step, examples consumed), (0, 0) on a fresh run."""
+        """Restore the trainer in place; (step, examples consumed: the next group id), (0, 0)
+        on a fresh run."""
         restored = self.policy.restore(trainer.state)
         if restored is None:
             return 0, 0
@@ -219,7 +276,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train; returns the eval reward before and after RL and the per-step history.
 
     Under `jax.distributed` every process runs this: each rolls out its own block of each step's
-    prompts on its own engine, the trainer steps on the global batch, process 0 writes the
+    groups on its own engine, the trainer steps on the global batch, process 0 writes the
     shared files."""
     # 1. The run directory, the task and the tokenizer.
     run = start_run(cfg, cfg.run_dir)
@@ -237,23 +294,22 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
             inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None,
             critic_optimizer=cfg.critic_optimizer, seed=cfg.seed), mesh=trainer_mesh)
-        # 3. Resume: the train state and the position in the prompt stream.
+        # 3. Resume: the train state and the position in the prompt stream (the next group id;
+        # group g answers the stream's g-th example).
         start_step, consumed = checkpoints.restore(trainer, run)
-        examples = CountingIterator(task.iter_examples("train", cfg.seed), skip=consumed)
+        processes = jax.process_count()
+        learner_cfg = cfg.learner_config(tuple(tokenizer.eos_ids), processes)
+        examples = ExampleStream(task.iter_examples("train", cfg.seed))
+        episodes = PromptEpisodes(tokenizer, examples, task.reward,
+                                  prompt_format=cfg.rollout.prompt_format,
+                                  add_bos=cfg.rollout.add_bos,
+                                  reward_on_error=cfg.reward_on_error)
         writer = MetricsWriter(run.own, MetricsConfig(progress_bar=progress),
                                total_steps=cfg.steps, resume_step=start_step or None)
 
-        def on_step(step: int, metrics: dict[str, Any]) -> None:
-            writer.write(step, {k: v for k, v in metrics.items()
-                                if isinstance(v, int | float) and k != "step"})
-            if checkpoints.policy.should_save(step) or step == cfg.steps:
-                writer.flush()
-                with perf.span(perf.TRAIN_CHECKPOINT, step=step):
-                    checkpoints.save(step, trainer, examples.consumed, force=step == cfg.steps)
-
-        # 4. The engine and the learner: evaluate, train, evaluate.
+        # 4. The engine and the learner: evaluate, train (evaluating every eval_every steps and
+        # checkpointing after each step's weights are pushed), evaluate.
         started = time.perf_counter()
-        processes = jax.process_count()
         # Several processes: each host's engine holds a local copy (the trainer's arrays span
         # every host); it starts from the initial model and takes the trainer's weights.
         engine_model = trainer.model() if processes == 1 else model
@@ -261,19 +317,66 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                     mesh=engine_mesh) as engine:
             if processes > 1 and start_step:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)
-            learner = Learner(trainer, engine, tokenizer, examples, task.reward,
-                              cfg.learner_config(), on_step=on_step)
-            learner.step = start_step
-            before = asyncio.run(learner.evaluate(eval_examples))
+
+            async def evaluate(step: int) -> float:
+                return await greedy_reward(
+                    engine, tokenizer, eval_examples, task.reward,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    prompt_format=cfg.rollout.prompt_format, add_bos=cfg.rollout.add_bos,
+                    step=step)
+
+            history: list[dict[str, Any]] = []
+            dropped_before: dict[str, int] = {}
+
+            async def on_step(record: StepRecord) -> None:
+                # At max_staleness 0 no group of the next step has started yet: `consumed` is
+                # exactly the groups drawn so far.
+                used = examples.consumed
+                step = record.version + 1
+                dropped = dict(learner.queue.dropped) if learner.queue is not None else {}
+                metrics: dict[str, Any] = {
+                    "step": record.version, "groups_kept": len(record.group_ids),
+                    "groups_dropped_no_variance": dropped.get("no_reward_variance", 0)
+                    - dropped_before.get("no_reward_variance", 0),
+                    "groups_dropped_failed": dropped.get("episode_failed", 0)
+                    - dropped_before.get("episode_failed", 0),
+                    "reward_mean": record.reward_mean,
+                    "completion_tokens": record.completion_tokens,
+                    "staleness_max": max(record.staleness, default=0), **record.metrics}
+                dropped_before.update(dropped)
+                every = cfg.eval_every
+                if (every and step % every == 0) or step == cfg.steps:
+                    metrics["eval_reward"] = await evaluate(step)
+                history.append(metrics)
+                writer.write(step, {k: v for k, v in metrics.items()
+                                    if isinstance(v, int | float) and k != "step"})
+                if checkpoints.policy.should_save(step) or step == cfg.steps:
+                    writer.flush()
+                    if processes > 1:  # every process's position: resume past all of them
+                        used = await asyncio.to_thread(distributed.max_over_processes, used)
+                    with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+                        await asyncio.to_thread(checkpoints.save, step, trainer, used,
+                                                force=step == cfg.steps)
+
+            learner = StreamingLearner(trainer, engine, episodes, learner_cfg, on_step=on_step)
+
+            async def main() -> float:
+                before = await evaluate(start_step)
+                history.append({"step": start_step, "eval_reward": before})
+                group_ids = resumed_group_ids(consumed, learner_cfg.groups_per_step)
+                await episodes.watch(asyncio.ensure_future(
+                    learner.run(cfg.steps - start_step, group_ids)))
+                return before
+
             with gc_heap_frozen():
-                history = asyncio.run(learner.run(eval_examples))
+                before = asyncio.run(main())
         # 5. Close: the last checkpoint written, the metrics flushed.
         checkpoints.close()
         writer.close()
-    evals = [h["eval_reward"] for h in history if "eval_reward" in h]
+    evals = [h["eval_reward"] for h in history[1:] if "eval_reward" in h]
     return {"eval_before": before, "eval_after": evals[-1] if evals else before,
             "history": history, "seconds": time.perf_counter() - started,
-            "failures": learner.failures, "run_dir": str(run.root)}
+            "failures": dict(episodes.failures), "run_dir": str(run.root)}
 
 
-__all__ = ["RLRunConfig", "TaskSettings", "build_task", "initial_policy", "meshes", "run_rl"]
+__all__ = ["RLRunConfig", "RolloutConfig", "TaskSettings", "build_task", "initial_policy", "meshes", "run_rl"]

@@ -4,8 +4,8 @@
 scored, with per-episode advantages), it packs them into fixed-shape `TrainBatch`es, computes
 the log-probs the algorithm needs before any update (old/proximal policy for μ > 1 or decoupled
 PPO, the reference policy for KL), then runs μ inner epochs of optimizer steps over the batches.
-The batch learner (`learner.py`) and the agentic streaming learner feed it; given the same
-trajectories in the same order they take exactly the same steps.
+The streaming learner (`agentic.streaming`) feeds it, for `nonstop rl` and `nonstop agentic`
+alike; given the same trajectories in the same order it takes exactly the same steps.
 
 The reference policy is a frozen copy of the initial trainable weights, or, when only LoRA
 adapters train, the same model with the adapters zeroed (no second copy of the base). KL to it

@@ -44,6 +44,11 @@ def test_bad_keys_and_values_are_named():
     with pytest.raises(ConfigError, match="algorithm.*'ppo2'.*grpo"):
         load_config(RLRunConfig, None, ["algorithm=ppo2"])
     assert main(["rl", "task.name=gsm8k"]) == 2
+    # The batch learner's sampling rounds are gone: the key names what bounds them now.
+    with pytest.raises(ConfigError, match="'on_no_variance' has moved.*'max_sampling_rounds'"):
+        load_config(RLRunConfig, None, ["on_no_variance=stop"])
+    with pytest.raises(ConfigError, match="sync_every"):
+        load_config(RLRunConfig, None, ["max_staleness=0", "sync_every=2"])
 
 
 def _rewards(run_dir: Path) -> list[float]:
