@@ -108,6 +108,7 @@ class EngineStats:
     park_dropped: int  # ... pushed out of a full parking cache
     waiting: int
     active_slots: int
+    cached_tokens: int  # KV-cache positions holding tokens (running requests, idle sessions)
     policy_version: int
     traces: dict[str, int]
 
@@ -371,6 +372,7 @@ class Engine:
             park_dropped=c.park_dropped if c else 0,
             waiting=len(s.waiting) + len(s.returning) if s else 0,
             active_slots=int(s.decoding.sum()) + len(s.prefilling) if s else 0,
+            cached_tokens=sum(len(t) for t in list(s.slot_tokens)) if s else 0,
             policy_version=self.policy_version,
             traces=dict(self._device.traces))
 
