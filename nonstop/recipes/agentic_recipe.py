@@ -48,8 +48,10 @@ from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
 from nonstop.models.validation import check
 from nonstop.perf import busy_fraction, read_events
+from nonstop.recipes.custom_env import check_custom_env, make_custom_env, uses_custom_env
 from nonstop.recipes.rl_recipe import AlgorithmName, multi_host_mesh
 from nonstop.recipes.run import start_run
+from nonstop.recipes.tasks.custom import TaskSource
 from nonstop.rl.config import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.train import OptimizerConfig, PackingConfig, distributed
@@ -69,6 +71,13 @@ class EnvSettings:
     chat_format: ChatFormat = "qwen"  # which tool-call format the parser reads
     backend: EnvBackend = "local"  # "ray": reset/step run in Ray actors (see docs/scaling.md)
     ray: RayEnvConfig = RayEnvConfig()  # with backend "ray": cluster address, actors
+    # A user's environment, or tools + reward + tasks, by import path (recipes/custom_env.py).
+    path: str | None = None  # "my_pkg.envs:MyEnv": an Environment class or a factory
+    args: Any = None  # keyword arguments for `path`
+    tools: tuple[str, ...] = ()  # "my_pkg.tools:search": plain functions, sync or async
+    reward: str | None = None  # "my_pkg.rewards:score": (prompt, completion, example) -> float
+    tasks: TaskSource | None = None  # prompts and answers for `tools`: JSONL or a function
+    system_prompt: str | None = None  # with `tools`
 
     def __post_init__(self) -> None:
         check(self.backend in ("local", "ray"), "EnvSettings", "backend", self.backend,
@@ -76,6 +85,7 @@ class EnvSettings:
         check(self.backend != "ray" or importlib.util.find_spec("ray") is not None,
               "EnvSettings", "backend", self.backend,
               "'local': 'ray' needs the `ray` package (`pip install nonstop[ray]`)")
+        check_custom_env(self)  # imports every path now: a mistake stops the config loading
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,6 +137,8 @@ class AgenticRunConfig:
 
 
 def make_env(cfg: EnvSettings) -> Environment:
+    if uses_custom_env(cfg):
+        return make_custom_env(cfg, eval_seed_offset=EVAL_SEED_OFFSET)
     if cfg.name == "calculator":
         return CalculatorEnv(CalculatorConfig(max_operand=cfg.max_operand))
     return GridWorldEnv()
