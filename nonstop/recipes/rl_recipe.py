@@ -40,6 +40,7 @@ from nonstop.models.source import ModelSource, TokenizerSource, build_model, bui
 from nonstop.models.validation import check, check_int, check_ints
 from nonstop.recipes.run import RunDirs, start_run
 from nonstop.recipes.tasks import ArithmeticTask, CountdownTask, Gsm8kTask, Task
+from nonstop.recipes.tasks.custom import check_task_settings, custom_task
 from nonstop.recipes.warmup import WarmupConfig, supervised_warmup
 from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
@@ -54,7 +55,7 @@ from nonstop.train import (
 )
 
 AlgorithmName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "rloo", "ppo"]
-TaskName = Literal["arithmetic", "countdown", "gsm8k"]
+TaskName = Literal["arithmetic", "countdown", "gsm8k", "custom"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,13 +64,21 @@ class TaskSettings:
     digits: int = 2
     ops: tuple[str, ...] = ("+",)
     numbers: int = 3  # countdown
-    path: str | None = None  # gsm8k: a local JSONL or Parquet file
+    path: str | None = None  # gsm8k: a local JSONL or Parquet file; custom: JSONL or module:fn
+    # custom (recipes/tasks/custom.py): JSONL keys or the function's kwargs, a held-out file
+    # (unset: a hash split holding out eval_fraction), the reward (unset: exact match)
+    args: Any = None
+    eval_path: str | None = None
+    eval_fraction: float = 0.1
+    reward: str | None = None  # "module:function" (prompt, completion, example) -> float
     num_eval: int = 128
 
     def __post_init__(self) -> None:
         check(self.name != "gsm8k" or bool(self.path), "TaskSettings", "path", self.path,
               "a local JSONL or Parquet file for name=gsm8k (task.path=/path/to/train.jsonl)")
         check_int("TaskSettings", "num_eval", self.num_eval)
+        if self.name == "custom":
+            check_task_settings(self, owner="TaskSettings")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,6 +197,8 @@ def build_task(cfg: TaskSettings) -> Task:
         return ArithmeticTask(digits=cfg.digits, ops=cfg.ops)
     if cfg.name == "countdown":
         return CountdownTask(numbers=cfg.numbers)
+    if cfg.name == "custom":
+        return custom_task(cfg)
     return Gsm8kTask.from_file(cfg.path)
 
 
