@@ -7,18 +7,33 @@ import threading
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from nonstop.models.config import ModelConfig
 from nonstop.models.validation import check, check_choice, check_int, check_ints
 
 WeightUpdateMode = Literal["continue", "abort"]
 CacheDtype = Literal["float32", "bfloat16"]
+KVLayout = Literal["dense", "paged"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine is sized and scheduled (docs/engine.md has what each setting is worth).
 
-    max_slots: sequences decoded together (S); the KV cache is max_slots x max_len.
-    max_len: positions per slot; prompt + completion never exceed it ("cache_full").
+    max_slots: sequences decoded together (S); with the dense layout the KV cache is
+        max_slots x max_len.
+    max_len: positions per sequence; prompt + completion never exceed it ("cache_full").
+    kv_layout: "dense": one max_len row of cache per slot. "paged": a pool of blocks of
+        `block_size` positions holding `kv_cache_tokens` positions in all, each sequence taking
+        blocks as it grows (`blocks.py`): how many sequences hold context at once is bounded by
+        free blocks, not slots; idle sessions keep their blocks until the pool runs short, a
+        running sequence that cannot get one is preempted and resumed later by recomputing
+        its context, and full blocks are reused across requests through the prefix cache.
+    block_size: positions per block (paged).
+    kv_cache_tokens: positions the paged pool holds (rounded down to whole blocks); None: as
+        many as the dense cache, max_slots x max_len. At least max_len. `kv_cache_tokens_for`
+        turns a memory budget into it.
+    prefix_cache: reuse the keys and values of full blocks whose whole prefix (tokens and
+        policy version) matches an earlier or concurrent request's (paged).
     prefill_chunks: chunk lengths prefill is compiled for; a prompt runs as the chunks that cost
         least in padding plus per-call overhead (`prefill_plan`). Clipped to max_len.
     prefill_budget: prompt tokens prefilled between two decode steps while others decode: more
@@ -50,6 +65,10 @@ class EngineConfig:
 
     max_slots: int = 8
     max_len: int = 1024
+    kv_layout: KVLayout = "dense"
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    prefix_cache: bool = True
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
     prefill_budget: int = 256
     prefill_rows: int = 1
@@ -81,6 +100,31 @@ class EngineConfig:
         check_choice(owner, "on_weight_update", self.on_weight_update, WeightUpdateMode)
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), owner, "seed",
               self.seed, "an int")
+        check_choice(owner, "kv_layout", self.kv_layout, KVLayout)
+        check_int(owner, "block_size", self.block_size, low=1)
+        check(isinstance(self.prefix_cache, bool), owner, "prefix_cache", self.prefix_cache,
+              "true or false")
+        if self.kv_cache_tokens is not None:
+            check_int(owner, "kv_cache_tokens", self.kv_cache_tokens,
+                      low=-(-self.max_len // self.block_size) * self.block_size)
+        if self.kv_layout == "paged":
+            check(self.swap_space_gib == 0, owner, "swap_space_gib", self.swap_space_gib,
+                  "0 with kv_layout 'paged' (idle sessions keep their blocks, freed for "
+                  "recompute under pressure)")
+            check(self.parked_slots == 0, owner, "parked_slots", self.parked_slots,
+                  "0 with kv_layout 'paged' (idle sessions keep their blocks)")
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Block-table entries of one sequence: blocks holding max_len positions."""
+        return -(-self.max_len // self.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the paged pool."""
+        tokens = (self.max_slots * self.max_len if self.kv_cache_tokens is None
+                  else self.kv_cache_tokens)
+        return max(tokens // self.block_size, self.blocks_per_sequence)
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
@@ -154,6 +198,19 @@ class EngineConfig:
         return _plan(self.chunk_sizes, max(length, 1))
 
 
+def kv_cache_tokens_for(model_cfg: ModelConfig, budget_bytes: int, *, dtype_bytes: int = 4,
+                        block_size: int = 16) -> int:
+    """The `kv_cache_tokens` whose blocks fit in `budget_bytes` of device memory: keys and
+    values of every layer, `dtype_bytes` per element (4: float32, 2: bfloat16)."""
+    per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * dtype_bytes
+    blocks = budget_bytes // (per_token * block_size)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_tokens_for: {budget_bytes} bytes hold no block of "
+                         f"{block_size} positions ({per_token} bytes a position); valid: at "
+                         f"least {per_token * block_size}")
+    return blocks * block_size
+
+
 # A prefill call's fixed cost in tokens of prefill time. Measured on the 2-core CPU with the
 # engine benchmark's 32M model: a chunk of C tokens took about 6 ms + 0.18 ms x C (16: 8.9 ms,
 # 64: 18.7 ms, 256: 51 ms), so a call costs about 32 tokens' worth beyond its tokens.
@@ -184,4 +241,4 @@ def _plan(sizes: tuple[int, ...], length: int) -> tuple[int, ...]:
     return tuple(plan)
 
 
-__all__ = ["CacheDtype", "EngineConfig", "WeightUpdateMode"]
+__all__ = ["CacheDtype", "EngineConfig", "KVLayout", "WeightUpdateMode", "kv_cache_tokens_for"]

@@ -27,6 +27,7 @@ from jax import Array, lax
 from nonstop.engine.placement import cache_sharding, replicated, weight_shardings
 from nonstop.engine.sampling import sample
 from nonstop.models import Decoder, KVCache
+from nonstop.models.decoder import PagedKVCache
 from nonstop.models.multimodal import Gemma3VLM
 
 
@@ -71,7 +72,18 @@ class DeviceSteps:
     def __init__(self, model: Decoder | Gemma3VLM, *, num_slots: int, max_len: int,
                  cache_dtype: jnp.dtype | None = None,
                  mesh: jax.sharding.Mesh | None = None, steps_per_call: int = 1,
-                 parked_slots: int = 0) -> None:
+                 parked_slots: int = 0, num_blocks: int | None = None, block_size: int = 16
+                 ) -> None:
+        # Paged layout (`num_blocks` set): the cache is a pool of blocks and every call takes
+        # its rows' block tables int32[rows, blocks_per_sequence] (`paged.py`).
+        self.paged = num_blocks is not None
+        if self.paged and mesh is not None:
+            raise ValueError("kv_layout 'paged' does not run on an engine mesh (disaggregated "
+                             "mode) yet; use kv_layout 'dense' there")
+        self.num_blocks, self.block_size = num_blocks or 0, block_size
+        self.blocks_per_sequence = -(-max_len // block_size)
+        # Where idle rows are parked: a position no row holds, whose writes are dropped.
+        self.park_position = self.blocks_per_sequence * block_size if self.paged else max_len
         self.graphdef, state = nnx.split(model)
         # Commit every input to its device: jit keys its cache on committedness, so an
         # uncommitted first argument (fresh `jnp.zeros`) would compile a second time later.
@@ -171,7 +183,11 @@ class DeviceSteps:
     def _encode(self, state: nnx.State, images: np.ndarray) -> Array:
         return self._encode_jit(self._leaves(state), images)
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | PagedKVCache:
+        if self.paged:
+            return PagedKVCache.create(self.cfg, num_blocks=self.num_blocks,
+                                       block_size=self.block_size, dtype=self.cache_dtype,
+                                       sharding=self.cache_sharding)
         return KVCache.create(self.cfg, num_slots=self.num_slots, max_len=self.max_len,
                               dtype=self.cache_dtype, sharding=self.cache_sharding)
 
@@ -232,9 +248,9 @@ class DeviceSteps:
         """`state` committed to the model's shardings (copied if `copy`)."""
         return jax.device_put(state, self.shardings, may_alias=not copy)
 
-    def _decode_fn(self, state: nnx.State, cache: KVCache, tokens: Array, positions: Array,
-                   previous: Array, from_previous: Array, sampling: SamplingArrays,
-                   attend_len: int) -> tuple[KVCache, StepOutput]:
+    def _decode_fn(self, state: nnx.State, cache: KVCache, tables: Array | None, tokens: Array,
+                   positions: Array, previous: Array, from_previous: Array,
+                   sampling: SamplingArrays, attend_len: int) -> tuple[KVCache, StepOutput]:
         """`steps_per_call` decode steps, each sampling inside the call (one dispatch a call,
         not one for the model and one for the sampler); `previous` is the last call's tokens
         [K, S]."""
@@ -244,13 +260,15 @@ class DeviceSteps:
         model = nnx.merge(self.graphdef, state)
         parked = positions >= self.max_len
         ones = jnp.ones((tokens.shape[0], 1), jnp.int32)
+        if tables is not None:
+            cache = cache.with_tables(tables)
 
         def step(carry: tuple[KVCache, Array], k: Array) -> tuple[tuple[KVCache, Array],
                                                                   StepOutput]:
             cache, fed = carry
             # Parked slots stay parked; a live slot that runs past the cache writes nothing
             # (the host has finished it with "cache_full" before any such token counts).
-            at = jnp.where(parked, self.max_len, positions + k)
+            at = jnp.where(parked, self.park_position, positions + k)
             h, cache = model.hidden_states(model.embed_tokens(fed[:, None]), at[:, None], ones,
                                            cache, None, attend_len=attend_len)
             out = StepOutput(*sample(model.logits(h)[:, 0], sampling.temperature,
@@ -259,22 +277,24 @@ class DeviceSteps:
             return (cache, out.tokens), out
 
         (cache, _), outs = jax.lax.scan(step, (cache, tokens), jnp.arange(K, dtype=jnp.int32))
-        return cache, outs
+        return _at_rest(cache), outs
 
-    def _prefill_fn(self, state: nnx.State, cache: KVCache, tokens: Array, starts: Array,
-                    lengths: Array, slots: Array, sampling: SamplingArrays, first: Array,
-                    targets: Array) -> tuple[KVCache, StepOutput, Array]:
+    def _prefill_fn(self, state: nnx.State, cache: KVCache, tables: Array | None, tokens: Array,
+                    starts: Array, lengths: Array, slots: Array, sampling: SamplingArrays,
+                    first: Array, targets: Array) -> tuple[KVCache, StepOutput, Array]:
         R, C = tokens.shape
         self.traces[f"prefill_{C}" if R == 1 else f"prefill_{R}x{C}"] += 1
         model = nnx.merge(self.graphdef, state)
         idx = jnp.arange(C, dtype=jnp.int32)[None, :]
         # Past a row's length (and on padding rows, length 0) positions are parked at the end
         # of the cache, where writes are dropped.
-        positions = jnp.where(idx < lengths[:, None], starts[:, None] + idx, self.max_len)
+        positions = jnp.where(idx < lengths[:, None], starts[:, None] + idx, self.park_position)
+        if tables is not None:
+            cache = cache.with_tables(tables)
         h, cache = model.hidden_states(model.embed_tokens(tokens), positions,
                                        jnp.ones_like(tokens), cache, slots)
         last = h[jnp.arange(R), jnp.maximum(lengths - 1, 0)]  # [R, D]
-        return cache, *_sample_into(model.logits(last[:, None])[:, 0], sampling, first, targets)
+        return _at_rest(cache), *_sample_into(model.logits(last[:, None])[:, 0], sampling, first, targets)
 
     def _read_slot_fn(self, cache: KVCache, slot: Array) -> Array:
         self.traces["read_slot"] += 1
@@ -330,22 +350,24 @@ class DeviceSteps:
         self.traces[f"encode_images_{images.shape[0]}"] += 1
         return nnx.merge(self.graphdef, state).encode_images(images)
 
-    def _prefill_images_fn(self, state: nnx.State, cache: KVCache, tokens: Array,
-                           features: Array, lookahead: Array, start: Array, length: Array,
+    def _prefill_images_fn(self, state: nnx.State, cache: KVCache, tables: Array | None,
+                           tokens: Array, features: Array, lookahead: Array, start: Array, length: Array,
                            slot: Array, sampling: SamplingArrays, first: Array, targets: Array
                            ) -> tuple[KVCache, StepOutput, Array]:
         C = tokens.shape[1]
         self.traces[f"prefill_images_{C}"] += 1
         model = nnx.merge(self.graphdef, state)
         idx = jnp.arange(C, dtype=jnp.int32)
-        positions = jnp.where(idx < length, start + idx, self.max_len)[None, :]
+        positions = jnp.where(idx < length, start + idx, self.park_position)[None, :]
+        if tables is not None:
+            cache = cache.with_tables(tables)
         is_image = tokens == self.image_token_id
         x = model.embed_tokens(jnp.where(is_image, 0, tokens))
         x = jnp.where(is_image[..., None], features[None].astype(x.dtype), x)
         h, cache = model.hidden_states(x, positions, jnp.ones_like(tokens), cache, slot[None],
                                        lookahead)
         last = jax.lax.dynamic_index_in_dim(h[0], jnp.maximum(length - 1, 0), keepdims=True)
-        return cache, *_sample_into(model.logits(last[None])[:, 0], sampling, first, targets)
+        return _at_rest(cache), *_sample_into(model.logits(last[None])[:, 0], sampling, first, targets)
 
     def encode_images(self, state: nnx.State, images: np.ndarray) -> np.ndarray:
         """Processed images float32[I, H, W, C] -> soft tokens float32[I * M, D] on the host."""
@@ -354,42 +376,58 @@ class DeviceSteps:
 
     def decode(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
                positions: np.ndarray, sampling: SamplingArrays, attend_len: int | None = None,
-               previous: Array | None = None, from_previous: np.ndarray | None = None
-               ) -> tuple[KVCache, StepOutput]:
+               previous: Array | None = None, from_previous: np.ndarray | None = None,
+               tables: np.ndarray | None = None) -> tuple[KVCache, StepOutput]:
         """Feed tokens int32[S] (a host or device array; the scheduler passes `new_first`'s)
         at positions int32[S]; sample the next `steps_per_call` K tokens of every slot (each
         output [K, S]; K = 1: [1, S]).
 
         `attend_len` (a compiled length; default the whole cache) must exceed every position
         that matters this call. Rows where `from_previous` is true are fed `previous` instead
-        (the device tokens of the call before, so they need not be read back first)."""
+        (the device tokens of the call before, so they need not be read back first).
+        Paged: `tables` int32[S, blocks_per_sequence] holds every slot's block table (rows of
+        parked slots: anything)."""
         S = self.num_slots
         if previous is None:
             previous = self._no_previous
         if from_previous is None:
             from_previous = np.zeros(S, bool)
-        return self._decode(state, cache, tokens, positions, previous, from_previous, sampling,
-                            attend_len=attend_len or self.max_len)
+        return self._decode(state, cache, self._tables(tables, S), tokens, positions, previous,
+                            from_previous, sampling, attend_len=attend_len or self.max_len)
+
+    def _tables(self, tables: np.ndarray | None, rows: int) -> np.ndarray | None:
+        """The block tables a call takes: None for the dense layout; for the paged one
+        `tables` (or, for a warm-up, rows with no blocks) as int32[rows, MB]."""
+        if not self.paged:
+            if tables is not None:
+                raise ValueError("block tables were passed to a dense-layout DeviceSteps")
+            return None
+        if tables is None:
+            return np.full((rows, self.blocks_per_sequence), self.num_blocks, np.int32)
+        return np.asarray(tables, np.int32)
 
     def prefill_into(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
                      starts: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
-                     sampling: SamplingArrays, first: Array, targets: np.ndarray
-                     ) -> tuple[KVCache, StepOutput, Array]:
+                     sampling: SamplingArrays, first: Array, targets: np.ndarray,
+                     tables: np.ndarray | None = None) -> tuple[KVCache, StepOutput, Array]:
         """`prefill`, with each row's sampled token also written into the device array `first`
         int32[S] at slot `targets[r]` (num_slots: nowhere), so the next decode can be fed it
         without the host reading it first (see `decode`). Returns the new `first`."""
-        return self._prefill(state, cache, tokens, np.asarray(starts, np.int32),
+        return self._prefill(state, cache, self._tables(tables, len(slots)), tokens,
+                             np.asarray(starts, np.int32),
                              np.asarray(lengths, np.int32), np.asarray(slots, np.int32), sampling,
                              first, np.asarray(targets, np.int32))
 
     def prefill_images_into(self, state: nnx.State, cache: KVCache, tokens: np.ndarray,
                             features: np.ndarray, lookahead: np.ndarray, start: int,
                             length: int, slot: int, sampling: SamplingArrays, first: Array,
-                            target: int) -> tuple[KVCache, StepOutput, Array]:
+                            target: int, tables: np.ndarray | None = None
+                            ) -> tuple[KVCache, StepOutput, Array]:
         """As `prefill_into` for one row, with image soft tokens features float32[C, D] at the
         image rows and lookahead int32[1, C] (image tokens see the rest of their image, all in
         this chunk)."""
-        return self._prefill_images(state, cache, tokens, features, lookahead, np.int32(start),
+        return self._prefill_images(state, cache, self._tables(tables, 1), tokens, features,
+                                    lookahead, np.int32(start),
                                     np.int32(length), np.int32(slot), sampling, first,
                                     np.full(1, target, np.int32))
 
@@ -399,14 +437,14 @@ class DeviceSteps:
         return jax.device_put(np.zeros(self.num_slots, np.int32), self._first_sharding)
 
     def prefill(self, state: nnx.State, cache: KVCache, tokens: np.ndarray, starts: np.ndarray,
-                lengths: np.ndarray, slots: np.ndarray, sampling: SamplingArrays
-                ) -> tuple[KVCache, StepOutput]:
+                lengths: np.ndarray, slots: np.ndarray, sampling: SamplingArrays,
+                tables: np.ndarray | None = None) -> tuple[KVCache, StepOutput]:
         """Prefill R rows at once: row r's tokens int32[R, C] (its first `lengths[r]` real) at
         positions starts[r].. of slot `slots[r]`; samples each row's next token. A padding row
         has length 0 (it writes nothing; its sample is meaningless)."""
         R = len(slots)
         cache, out, _ = self.prefill_into(state, cache, tokens, starts, lengths, slots, sampling,
-                                          self.new_first(), np.full(R, self.num_slots))
+                                          self.new_first(), np.full(R, self.num_slots), tables)
         return cache, out
 
     def warmup(self, state: nnx.State, cache: KVCache, chunk_sizes: tuple[int, ...],
@@ -454,6 +492,11 @@ class DeviceSteps:
                                  f"{list(np.shape(new))}, the engine's is {ref.dtype}"
                                  f"{list(np.shape(ref))}; shapes and dtypes must match (a "
                                  "change would recompile)")
+
+
+def _at_rest(cache: KVCache | PagedKVCache) -> KVCache | PagedKVCache:
+    """The cache as a call returns it: a paged one without the call's block tables."""
+    return cache.with_tables(None) if isinstance(cache, PagedKVCache) else cache
 
 
 def idle_sampling(rows: int) -> SamplingArrays:

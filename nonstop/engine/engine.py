@@ -106,6 +106,9 @@ class EngineStats:
     parked: int  # evicted sessions' caches moved into the parking cache (parked_slots)
     unparked: int  # ... moved back for their next turn
     park_dropped: int  # ... pushed out of a full parking cache
+    preemptions: int  # running requests taken off their slot for blocks (paged), resumed later
+    prefix_hit_tokens: int  # prompt positions found in the prefix cache (paged)
+    free_blocks: int  # blocks of the paged pool free or only cached now (0 when dense)
     waiting: int
     active_slots: int
     cached_tokens: int  # KV-cache positions holding tokens (running requests, idle sessions)
@@ -132,7 +135,10 @@ class Engine:
         self._device = DeviceSteps(model, num_slots=self.config.max_slots,
                                    max_len=self.config.max_len, cache_dtype=dtype, mesh=mesh,
                                    steps_per_call=self.config.decode_steps_per_call,
-                                   parked_slots=self.config.parked_slots)
+                                   parked_slots=self.config.parked_slots,
+                                   num_blocks=(self.config.num_blocks
+                                               if self.config.kv_layout == "paged" else None),
+                                   block_size=self.config.block_size)
         self._initial_version = policy_version
         self._scheduler: Scheduler | None = None
         self._seeds = random.Random(self.config.seed)
@@ -370,6 +376,9 @@ class Engine:
             parked=c.parked if c else 0,
             unparked=c.unparked if c else 0,
             park_dropped=c.park_dropped if c else 0,
+            preemptions=c.preemptions if c else 0,
+            prefix_hit_tokens=c.prefix_hit_tokens if c else 0,
+            free_blocks=s.blocks.pool.num_free if s is not None and s.blocks is not None else 0,
             waiting=len(s.waiting) + len(s.returning) if s else 0,
             active_slots=int(s.decoding.sum()) + len(s.prefilling) if s else 0,
             cached_tokens=sum(len(t) for t in list(s.slot_tokens)) if s else 0,

@@ -45,6 +45,11 @@ class Session:
         self.busy = False
         self.last_used = 0.0
         self.swapped: SwappedCache | None = None  # its cache on the host, after an eviction
+        # Paged layout: the blocks it keeps between turns, the tokens they hold, and the
+        # policy version that computed them (-1: mixed).
+        self.blocks: list[int] | None = None
+        self.kv_tokens: list[int] = []
+        self.kv_version = -1
 
     def close(self) -> None:
         if not self.closed:
@@ -114,6 +119,8 @@ class Request:
     versions: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
     epoch: int = 0  # bumped by restart(): decode steps launched before it are dropped
+    # What is prefilled when it (re)starts: the prompt, and after a preemption its tokens too.
+    context: list[int] = dataclasses.field(default_factory=list)
     # Called by the scheduler thread with (token, logprob, policy version) as each token is
     # recorded (Engine.stream sets it; it must only hand the values to another thread).
     on_token: Callable[[int, float, int], None] | None = None
@@ -143,6 +150,12 @@ class Request:
                           num_prefilled=self.num_prefilled, num_cached=self.num_cached,
                           first_token_s=None if self.first_token_at is None
                           else self.first_token_at - self.arrival)
+
+    def preempt(self) -> None:
+        """Off its slot to be resumed later: its tokens so far are kept and recomputed with
+        the prompt (steps launched before are dropped)."""
+        self.epoch += 1
+        self.slot, self.prefill_pos = -1, 0
 
     def restart(self) -> None:
         self.epoch += 1
@@ -183,6 +196,8 @@ class Counters:
     parked: int = 0  # evicted sessions' caches moved into the parking cache
     unparked: int = 0  # ... and moved back for their next turn
     park_dropped: int = 0  # ... pushed out of a full parking cache (to the host swap if on)
+    preemptions: int = 0  # running requests taken off their slot for blocks (paged)
+    prefix_hit_tokens: int = 0  # prompt positions found in the prefix cache (paged)
 
 
 __all__ = ["Counters", "Detokenizer", "LaunchedStep", "Request", "Resolve", "Session",

@@ -26,6 +26,7 @@ from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps, SamplingArrays
 from nonstop.engine.images import image_chunk, image_safe_length
 from nonstop.engine.inflight import InFlight
+from nonstop.engine.paging import PagedBlocks
 from nonstop.engine.requests import (
     Counters,
     Detokenizer,
@@ -81,6 +82,10 @@ class Scheduler(threading.Thread):
         self.steps = np.zeros(S, np.int32)  # tokens sampled (or launched) for the request
         self.token_limit = np.zeros(S, np.int64)  # the request's max_tokens (or no limit)
         self.evicted = EvictedCaches(device, config, self.counters)
+        # Paged layout: block tables, sessions' blocks, prefix cache (`paging.py`). Sessions
+        # then hold blocks, never a slot, between turns.
+        self.blocks = (PagedBlocks(config, S, self.counters) if config.kv_layout == "paged"
+                       else None)
 
     # ---------------------------------------------------------------- from other threads
 
@@ -180,6 +185,8 @@ class Scheduler(threading.Thread):
 
     def _close_session(self, session: Session) -> None:
         if not session.busy:
+            if self.blocks is not None:
+                self.blocks.drop_session(session)
             self._drop_session_cache(session)
             self.evicted.drop(session)
 
@@ -194,7 +201,10 @@ class Scheduler(threading.Thread):
 
     def _free_slot(self) -> int | None:
         """A free slot, else one taken from the least recently used idle session (its cache
-        parked, or swapped out if the budget allows); None if there is neither."""
+        parked, or swapped out if the budget allows); None if there is neither. (Paged:
+        sessions hold no slot, so a slot is free when it runs nothing.)"""
+        if self.blocks is not None:
+            return next((s for s in range(self.S) if self.slot_req[s] is None), None)
         for s in range(self.S):
             if self.slot_req[s] is None and self.slot_owner[s] is None:
                 return s
@@ -240,7 +250,10 @@ class Scheduler(threading.Thread):
             slot = self._free_slot()
             if slot is None:
                 break
-            self._start(self.waiting.popleft(), slot)
+            req = self.waiting.popleft()
+            if not self._start(req, slot):  # no blocks for it yet: it waits at the front
+                self.waiting.appendleft(req)
+                break
         if self.evicted.pending:
             try:
                 self.cache = self.evicted.flush(self.cache)
@@ -255,11 +268,21 @@ class Scheduler(threading.Thread):
                                                     key=lambda r: r.arrival))
             self.returning.clear()
 
-    def _start(self, req: Request, slot: int) -> None:
+    def _start(self, req: Request, slot: int) -> bool:
+        """Put `req` into `slot` to prefill what its cache lacks; False (nothing changed) if
+        the paged pool cannot hold its context yet."""
+        req.context = req.prompt + req.tokens  # tokens: kept over a preemption
+        cached = self.slot_tokens[slot]
+        if self.blocks is not None:
+            running = sum(r is not None for r in self.slot_req)
+            n = self.blocks.admit(req, slot, req.context, self.version, running=running,
+                                  share=self.config.prefix_cache and req.image_features is None)
+            if n is None:
+                return False
+            cached[:] = req.context[:n]
         req.slot = slot
         self.slot_req[slot] = req
-        cached = self.slot_tokens[slot]
-        if req.session is not None:
+        if self.blocks is None and req.session is not None:
             self.slot_owner[slot] = req.session
             req.session.slot = slot
             try:
@@ -268,21 +291,22 @@ class Scheduler(threading.Thread):
                     into_slot=not cached and req.image_features is None)
             except Exception as error:  # noqa: BLE001 - fails this and every slot
                 self._device_failure(error)
-                return
+                return True
             cached.extend(kept)
-        else:
+        elif self.blocks is None:
             cached.clear()
-        n = min(common_prefix(cached, req.prompt), len(req.prompt) - 1)
+        n = min(common_prefix(cached, req.context), len(req.context) - 1)
         if req.image_features is not None:  # equal placeholders may stand for other images
             n = 0
         del cached[n:]
         req.prefill_pos = req.num_cached = n
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = (
             req.temperature, req.top_k, req.top_p)
-        self.seeds[slot], self.steps[slot] = req.seed, 0
+        self.seeds[slot], self.steps[slot] = req.seed, len(req.tokens)
         self.token_limit[slot] = req.max_tokens if req.max_tokens is not None else NO_TOKEN_LIMIT
         self.positions[slot] = self.L
         self.prefilling.append(slot)
+        return True
 
     def _sampling(self, rows: slice | np.ndarray) -> SamplingArrays:
         return SamplingArrays(self.temperature[rows], self.top_k[rows], self.top_p[rows],
@@ -294,6 +318,8 @@ class Scheduler(threading.Thread):
         used = 0
         while self.prefilling and (used < self.config.prefill_budget or not self.decoding.any()):
             rows = self._next_prefill_rows()
+            if not rows:
+                return
             try:
                 used += self._prefill_call(rows)
             except Exception as error:  # noqa: BLE001 - the device step failed: fail the slots
@@ -305,15 +331,19 @@ class Scheduler(threading.Thread):
         next chunk and, up to `prefill_rows`, the following ones whose next chunk has the same
         length (`EngineConfig.prefill_call_rows`); a chunk holding image tokens goes alone."""
         reqs = [(slot, self.slot_req[slot]) for slot in self.prefilling]
+        if self.blocks is not None:  # prompts sharing blocks still being computed wait
+            reqs = [(slot, r) for slot, r in reqs if self.blocks.ready(r)]
+            if not reqs:
+                return []
         slot, req = reqs[0]
         assert req is not None
         if req.image_features is not None:  # the largest chunks: an image run must fit whole
-            n = image_safe_length(req.prompt, req.prefill_pos,
-                                  min(len(req.prompt) - req.prefill_pos,
+            n = image_safe_length(req.context, req.prefill_pos,
+                                  min(len(req.context) - req.prefill_pos,
                                       self.config.chunk_sizes[-1]),
                                   self.device.image_token_id)
             return [(slot, req, n)]
-        remaining = [None if r.image_features is not None else len(r.prompt) - r.prefill_pos
+        remaining = [None if r.image_features is not None else len(r.context) - r.prefill_pos
                      for _, r in reqs]
         return [(*reqs[i], n) for i, n in self.config.prefill_call_rows(remaining)]
 
@@ -323,21 +353,22 @@ class Scheduler(threading.Thread):
         their first tokens go into `self.first` on the device, where the next decode step
         takes them, and reach the host when the call is read back after that step's launch."""
         S = self.S
-        finishing = [req.prefill_pos + n == len(req.prompt) for _, req, n in rows]
+        finishing = [req.prefill_pos + n == len(req.context) for _, req, n in rows]
+        tables = None if self.blocks is None else self.blocks.tables[[s for s, _, _ in rows]]
         slot, req, n = rows[0]
         launched_ns = self.inflight.launch_time()
         if req.image_features is not None:
             C, start = self.config.padded_size(n), req.prefill_pos
             image_id = self.device.image_token_id
             chunk = np.zeros((1, C), np.int32)
-            chunk[0, :n] = req.prompt[start:start + n]
+            chunk[0, :n] = req.context[start:start + n]
             with perf.span(perf.ROLLOUT_PREFILL, slot=slot, tokens=n, chunk=C, rows=1):
-                feats, lookahead = image_chunk(req.prompt, req.image_features, start, n, C,
+                feats, lookahead = image_chunk(req.context, req.image_features, start, n, C,
                                                image_id)
                 self.cache, out, self.first = self.device.prefill_images_into(
                     self.state, self.cache, chunk, feats, lookahead, start, n, slot,
                     self._sampling(slice(slot, slot + 1)), self.first,
-                    slot if finishing[0] else S)
+                    slot if finishing[0] else S, tables)
         else:
             C = self.config.padded_size(max(n for _, _, n in rows))
             R = self.config.prefill_row_count(len(rows))
@@ -346,9 +377,12 @@ class Scheduler(threading.Thread):
             lengths = np.zeros(R, np.int32)
             slots = np.zeros(R, np.int32)
             targets = np.full(R, S, np.int32)  # where each row's token goes in `first`
+            if tables is not None and R > len(rows):  # padding rows: no blocks
+                tables = np.concatenate([tables, np.full((R - len(rows), tables.shape[1]),
+                                                         self.blocks.none, np.int32)])
             for r, (slot, req, n) in enumerate(rows):
                 start = req.prefill_pos
-                tokens[r, :n] = req.prompt[start:start + n]
+                tokens[r, :n] = req.context[start:start + n]
                 starts[r], lengths[r], slots[r] = start, n, slot
                 if finishing[r]:
                     targets[r] = slot
@@ -356,20 +390,20 @@ class Scheduler(threading.Thread):
                            chunk=C, rows=len(rows)):
                 self.cache, out, self.first = self.device.prefill_into(
                     self.state, self.cache, tokens, starts, lengths, slots, self._sampling(slots),
-                    self.first, targets)
+                    self.first, targets, tables)
         firsts = []
         for r, (slot, req, n) in enumerate(rows):
             start = req.prefill_pos
             req.prefill_pos += n
             req.num_prefilled += n
-            self.slot_tokens[slot].extend(req.prompt[start:start + n])
+            self.slot_tokens[slot].extend(req.context[start:start + n])
             self.counters.prefilled_tokens += n
             perf.count(PREFILL_TOKENS, n)
             if not finishing[r]:
                 continue
             self.prefilling.remove(slot)
-            self.steps[slot] = 1
-            self.positions[slot] = len(req.prompt)
+            self.steps[slot] = len(req.tokens) + 1
+            self.positions[slot] = len(req.context)
             self.fresh[slot] = True
             self.decoding[slot] = not self._sampled_last(slot)
             firsts.append((r, req, req.epoch))
@@ -384,6 +418,8 @@ class Scheduler(threading.Thread):
         the tokens of the calls launched before the decode steps left running (`InFlight`),
         in the order the device ran them."""
         previous, self.launched = self.launched, None
+        if self.blocks is not None:
+            self._grow_blocks()
         active = np.flatnonzero(self.decoding)
         with perf.span(perf.ROLLOUT_DECODE, active=len(active)):
             if len(active):
@@ -410,7 +446,8 @@ class Scheduler(threading.Thread):
         self.cache, out = self.device.decode(
             self.state, self.cache, self.first, self.positions.copy(),
             SamplingArrays(*(a.copy() for a in self._sampling(slice(None)))), attend_len,
-            previous.out.tokens if previous is not None else None, ~self.fresh)
+            previous.out.tokens if previous is not None else None, ~self.fresh,
+            None if self.blocks is None else self.blocks.tables.copy())
         self.counters.decode_steps += K
         self.counters.decode_calls += 1
         self.fresh[active] = False
@@ -515,6 +552,8 @@ class Scheduler(threading.Thread):
         if s in self.prefilling:
             self.prefilling.remove(s)
         session = req.session
+        if self.blocks is not None:
+            self._release_blocks(req, s)
         if session is not None:
             session.busy = False
             session.last_used = time.perf_counter()
@@ -524,11 +563,57 @@ class Scheduler(threading.Thread):
             self.slot_tokens[s] = []
         req.slot = -1
 
+    # ---------------------------------------------------------------- paged layout
+
+    def _release_blocks(self, req: Request, slot: int) -> None:
+        """`req` leaves `slot`: its blocks are keyed and kept by its session or freed; requests
+        waiting for prompt blocks it had not computed yet restart."""
+        assert self.blocks is not None
+        followers = self.blocks.writer_gone(req)
+        self.blocks.release(slot, self.slot_tokens[slot], self.version,
+                            session=req.session, share=self.config.prefix_cache)
+        self.slot_tokens[slot] = []
+        self.slot_owner[slot] = None
+        for follower in followers:
+            if follower.slot >= 0 and not follower.done:
+                self._preempt(follower)
+
+    def _grow_blocks(self) -> None:
+        """Blocks for the positions the next decode call writes, oldest request first; when
+        the pool is out of them, the youngest running request is preempted (resumed later by
+        recomputing its context), the asking one included."""
+        assert self.blocks is not None
+        K = self.config.decode_steps_per_call
+        order = sorted(np.flatnonzero(self.decoding), key=lambda s: self.slot_req[s].arrival)
+        for slot in order:
+            req = self.slot_req[slot]
+            if req is None or not self.decoding[slot]:
+                continue  # preempted for an older one meanwhile
+            upto = min(int(self.positions[slot]) + K, self.L)
+            while not self.blocks.grow(slot, upto):
+                running = [r for r in self.slot_req if r is not None]
+                victim = max(running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    break
+
+    def _preempt(self, req: Request) -> None:
+        """Take a running request off its slot and blocks; it waits at the front of the queue
+        and resumes by prefilling its prompt and its tokens so far."""
+        self._release(req)
+        if req.session is not None:
+            req.session.busy = True
+        req.preempt()
+        self.counters.preemptions += 1
+        self.waiting.appendleft(req)
+
     # ---------------------------------------------------------------- engine-wide events
 
     def _apply_weights(self, state: nnx.State, version: int) -> None:
         with perf.span("engine/weight_update", policy_version=version):
             self.state, self.version = state, version
+        if self.blocks is not None:
+            self.blocks.weights_changed()
         if self.config.on_weight_update == "continue":
             return
         running = sorted((r for r in self.slot_req if r is not None), key=lambda r: r.arrival)
@@ -540,6 +625,9 @@ class Scheduler(threading.Thread):
         for owner in list(self.slot_owner):  # caches computed by the old weights
             if owner is not None:
                 self._drop_session_cache(owner)
+        if self.blocks is not None:
+            for session in list(self.blocks.idle):
+                self.blocks.drop_session(session)
         self.evicted.clear()
         self._requeue_returning()
         self.waiting.extendleft(reversed(running))
@@ -557,6 +645,10 @@ class Scheduler(threading.Thread):
         self.inflight.clear()
         self.first = self.device.new_first()
         self.cache = self.device.new_cache()  # the old one may have been donated
+        if self.blocks is not None:  # every block's contents are lost with the cache
+            for session in list(self.blocks.idle):
+                self.blocks.drop_session(session)
+            self.blocks = PagedBlocks(self.config, self.S, self.counters)
 
     def _abort_all(self, error: BaseException | None) -> None:
         """Stop: running requests end "aborted" with what they have; waiting ones likewise."""

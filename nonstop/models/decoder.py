@@ -9,7 +9,8 @@
 
 With a cache, each row writes its keys and values at its `positions` in its slot and attends to
 that slot's positions <= its own; a position >= the cache length writes nothing (the engine
-parks idle slots there). Logits are float32.
+parks idle slots there). Logits are float32. A `PagedKVCache` (a pool of blocks, with the rows'
+block tables) takes the place of a `KVCache` the same way; `slots` is then unused.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jax import Array
 
 from nonstop.models.config import LayerType, ModelConfig
 from nonstop.models.layers import Block, RMSNorm, _param, softcap
+from nonstop.models.paged import PagedLayer
 from nonstop.models.rope import inverse_frequencies, rope_angles
 
 
@@ -58,6 +60,41 @@ class KVCache:
         return ("cache_slots", "kv_heads", "cache_len", "head_dim")
 
 
+@struct.dataclass
+class PagedKVCache:
+    """Per-layer pools of keys and values, each [NB, K, bs, H] (blocks, kv heads, block size,
+    head dim), and the rows' block tables int32[B, MB] for the call at hand (None at rest):
+    row b's position p lives in block tables[b, p // bs] (`paged.py`)."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    tables: Array | None = None
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, *, num_blocks: int, block_size: int,
+               dtype: jnp.dtype = jnp.float32, sharding: jax.sharding.Sharding | None = None
+               ) -> PagedKVCache:
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+
+        def zeros() -> Array:
+            z = jnp.zeros(shape, dtype)
+            return jax.device_put(z, sharding) if sharding is not None else z
+
+        return cls(keys=tuple(zeros() for _ in range(cfg.num_layers)),
+                   values=tuple(zeros() for _ in range(cfg.num_layers)))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[2]
+
+    def with_tables(self, tables: Array | None) -> PagedKVCache:
+        return PagedKVCache(keys=self.keys, values=self.values, tables=tables)
+
+
 class Decoder(nnx.Module):
     """Embeddings, `num_layers` blocks, final norm and the (tied or separate) output head."""
 
@@ -86,9 +123,9 @@ class Decoder(nnx.Module):
         return x
 
     def hidden_states(self, x: Array, positions: Array, segment_ids: Array,
-                      cache: KVCache | None, slots: Array | None,
+                      cache: KVCache | PagedKVCache | None, slots: Array | None,
                       lookahead: Array | None = None, attend_len: int | None = None
-                      ) -> tuple[Array, KVCache | None]:
+                      ) -> tuple[Array, KVCache | PagedKVCache | None]:
         """Run the blocks and the final norm over input embeddings x [B, T, D].
 
         `lookahead` int32[B, T]: extra following keys each query may see; `attend_len`: attend
@@ -98,14 +135,23 @@ class Decoder(nnx.Module):
         }
         new_keys, new_values = [], []
         for i, block in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+            layer_cache: tuple[Array, Array] | PagedLayer | None = None
+            if isinstance(cache, PagedKVCache):
+                assert cache.tables is not None, "a paged cache needs the rows' block tables"
+                layer_cache = PagedLayer(cache.keys[i], cache.values[i], cache.tables)
+            elif cache is not None:
+                layer_cache = (cache.keys[i], cache.values[i])
             x, layer_cache = block(x, ropes[block.layer_type], positions, segment_ids,
                                    layer_cache, slots, lookahead, attend_len)
             if layer_cache is not None:
                 new_keys.append(layer_cache[0])
                 new_values.append(layer_cache[1])
-        new_cache = None if cache is None else KVCache(keys=tuple(new_keys),
-                                                       values=tuple(new_values))
+        new_cache: KVCache | PagedKVCache | None = None
+        if isinstance(cache, PagedKVCache):
+            new_cache = PagedKVCache(keys=tuple(new_keys), values=tuple(new_values),
+                                     tables=cache.tables)
+        elif cache is not None:
+            new_cache = KVCache(keys=tuple(new_keys), values=tuple(new_values))
         return self.norm(x), new_cache
 
     def logits(self, h: Array) -> Array:
@@ -143,4 +189,4 @@ def abstract_decoder(cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32,
                                           param_dtype=param_dtype))
 
 
-__all__ = ["Decoder", "KVCache", "abstract_decoder", "init_decoder"]
+__all__ = ["Decoder", "KVCache", "PagedKVCache", "abstract_decoder", "init_decoder"]

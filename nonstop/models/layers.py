@@ -7,7 +7,8 @@ each parameter carries `logical_axes` metadata that `sharding.py` maps onto a me
 may also be quantized or LoRA-wrapped (`quantize.py`, `lora.py`); `project` hides which.
 
 Attention reads either the current segment-packed sequence (training, full forward) or a KV
-cache laid out [S, K, L, H] (engine), in which case the new keys and values are written at
+cache laid out [S, K, L, H] (engine; or a paged pool of blocks with per-row block tables,
+`paged.py`), in which case the new keys and values are written at
 their positions first and queries attend to cache positions <= their own. `attend_len` (static)
 reads only the cache's first positions: the engine's decode passes the smallest bucket that
 holds every active row, so a step reads keys and values in proportion to the longest live
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import Array
 
+from nonstop.models import paged
 from nonstop.models.config import LayerType, ModelConfig
 from nonstop.models.lora import project
 from nonstop.models.rope import apply_rope
@@ -111,10 +113,10 @@ class Attention(nnx.Module):
         return out.reshape(B, T, N, H)
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
-                 segment_ids: Array, cache: tuple[Array, Array] | None,
+                 segment_ids: Array, cache: tuple[Array, Array] | paged.PagedLayer | None,
                  slots: Array | None, lookahead: Array | None = None,
                  attend_len: int | None = None
-                 ) -> tuple[Array, tuple[Array, Array] | None]:
+                 ) -> tuple[Array, tuple[Array, Array] | paged.PagedLayer | None]:
         """`lookahead` int32[B, T] (default 0) lets a query also see that many following keys:
         Gemma 3's image tokens see their whole image (bidirectional within the image).
         `attend_len`: with a cache, attend over its first `attend_len` positions only; every
@@ -130,6 +132,24 @@ class Attention(nnx.Module):
                 allowed &= idx[None, :, None] - idx[None, None, :] < self.window
             out = self._attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed)
             new_cache = None
+        elif isinstance(cache, paged.PagedLayer):
+            # Paged: the rows' block tables say where each position lives (`paged.py`).
+            tables = cache.tables
+            k_cache = paged.write(cache.keys, tables, positions, k)
+            v_cache = paged.write(cache.values, tables, positions, v)
+            new_cache = paged.PagedLayer(k_cache, v_cache, tables)
+            kernel = paged.kernel_for()
+            if (kernel is not None and T == 1 and lookahead is None and self.window is None
+                    and self.cfg.attn_softcap is None):
+                out = kernel(q[:, 0], k_cache, v_cache, tables, positions[:, 0] + 1,
+                             self.cfg.attention_scale)[:, None]
+                return project(out, self.o_proj, 2), new_cache
+            bs = k_cache.shape[2]
+            n = tables.shape[1] if attend_len is None else min(-(-attend_len // bs),
+                                                               tables.shape[1])
+            keys = paged.gather(k_cache, tables[:, :n])
+            values = paged.gather(v_cache, tables[:, :n])
+            out = self._attend_cache(q, keys, values, positions, lookahead)
         else:
             k_cache, v_cache = cache
             L = k_cache.shape[2]
@@ -142,15 +162,21 @@ class Attention(nnx.Module):
             keys, values = (k_cache, v_cache) if slots is None else (k_cache[slots], v_cache[slots])
             if attend_len is not None and attend_len < L:
                 keys, values = keys[:, :, :attend_len], values[:, :, :attend_len]
-            cache_pos = jnp.arange(keys.shape[2])
-            limit = positions if lookahead is None else positions + lookahead
-            allowed = cache_pos[None, None, :] <= limit[:, :, None]
-            if self.window is not None:
-                allowed &= positions[:, :, None] - cache_pos[None, None, :] < self.window
-            out = self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), allowed)
+            out = self._attend_cache(q, keys, values, positions, lookahead)
             new_cache = (k_cache, v_cache)
         y = project(out, self.o_proj, 2)
         return y, new_cache
+
+    def _attend_cache(self, q: Array, keys: Array, values: Array, positions: Array,
+                      lookahead: Array | None) -> Array:
+        """Queries at `positions` [B, T] over cached keys/values [B, K, L, H]: each sees the
+        cache positions up to its own (plus `lookahead`), within its window."""
+        cache_pos = jnp.arange(keys.shape[2])
+        limit = positions if lookahead is None else positions + lookahead
+        allowed = cache_pos[None, None, :] <= limit[:, :, None]
+        if self.window is not None:
+            allowed &= positions[:, :, None] - cache_pos[None, None, :] < self.window
+        return self._attend(q, keys.astype(q.dtype), values.astype(q.dtype), allowed)
 
 
 class MLP(nnx.Module):
@@ -192,10 +218,10 @@ class Block(nnx.Module):
             self.post_mlp_norm = norm()
 
     def __call__(self, x: Array, rope: tuple[Array, Array], positions: Array,
-                 segment_ids: Array, cache: tuple[Array, Array] | None,
+                 segment_ids: Array, cache: tuple[Array, Array] | paged.PagedLayer | None,
                  slots: Array | None, lookahead: Array | None = None,
                  attend_len: int | None = None
-                 ) -> tuple[Array, tuple[Array, Array] | None]:
+                 ) -> tuple[Array, tuple[Array, Array] | paged.PagedLayer | None]:
         h, cache = self.attn(self.input_norm(x), rope, positions, segment_ids, cache, slots,
                              lookahead, attend_len)
         if self.post_norms:
