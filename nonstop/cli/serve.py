@@ -1,6 +1,7 @@
 """`nonstop serve MODEL_DIR`: serve a local Hugging Face checkpoint over the OpenAI-compatible API.
 
-Binds 127.0.0.1 unless `--host` says otherwise. The API key comes from `--api-key` or, failing
+Prints its progress while it loads and compiles, then a ready line with its URL. Binds
+127.0.0.1 unless `--host` says otherwise. The API key comes from `--api-key` or, failing
 that, the NONSTOP_API_KEY environment variable; with neither, the server is open.
 `python -m nonstop.cli.serve MODEL_DIR ...` runs the same command without the top-level CLI.
 A directory that is missing or is not a checkpoint (config.json, *.safetensors, tokenizer.json)
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from nonstop.cli.config_command import report_error
 from nonstop.engine.server import API_KEY_ENV, Dtype, ServerConfig, serve
+from nonstop.models.tool_parsers import TOOL_PARSERS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,6 +49,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context per sequence, prompt plus generation (default 2048)")
     parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
                         help="compute dtype (default float32)")
+    parser.add_argument("--tool-parser", choices=TOOL_PARSERS, default=None,
+                        help="how chat tool calls are read from the model's text (default: from "
+                             "the chat template's tool-call syntax, else the model family)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -56,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerConfig(model_dir=args.model_dir, host=args.host, port=args.port, api_key=api_key,
                         model_name=args.model_name, max_slots=args.max_slots,
-                        max_len=args.max_len, dtype=args.dtype, log_level=args.log_level)
+                        max_len=args.max_len, dtype=args.dtype, tool_parser=args.tool_parser,
+                        log_level=args.log_level)
 
 
 def check_checkpoint_dir(model_dir: str) -> None:

@@ -16,8 +16,12 @@ null), and nonstop adds `policy_versions` (the weight version that sampled each 
 `engine_finish_reason` (nonstop's "stop" | "length" | "cache_full" | "aborted"; the OpenAI
 `finish_reason` folds cache_full into "length" and aborted into "abort", as vLLM does).
 
-Unknown fields are ignored, as OpenAI does; known fields nonstop cannot honour (penalties,
-logit_bias, echo, suffix, best_of > n) are refused rather than silently dropped.
+Tool calling follows vLLM: `tools`, `tool_choice` ("none", "auto", "required" or a named
+function) and `parallel_tool_calls` (false: the first call only) are read here; the server parses
+the model's calls. Unknown fields are ignored, as OpenAI does; known fields nonstop cannot honour
+(penalties, logit_bias, suffix, best_of > n, response_format other than text, the legacy
+functions/function_call, structured-output and audio fields) are refused with a 400 naming them
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -110,7 +114,35 @@ def _token_ids(value: Any, key: str) -> tuple[int, ...] | None:
     return None
 
 
+# Fields nonstop cannot honour, refused unless absent or null (or the listed no-op value).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "functions": ([],), "function_call": ("none",), "audio": (), "prediction": (),
+    "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
+    "prompt_logprobs": (), "min_tokens": (0,), "min_p": (0, 0.0), "logits_processors": (),
+    "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
+}
+_WHY = {
+    "functions": "use tools", "function_call": "use tool_choice",
+    "prompt_logprobs": "use echo=true with logprobs on /v1/completions",
+}
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for key, allowed in _UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not any(value == a for a in allowed):
+            why = f"; {_WHY[key]}" if key in _WHY else ""
+            raise ProtocolError(f"{key} is not supported by nonstop{why}", param=key)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ProtocolError("response_format is not supported by nonstop (no constrained "
+                            "decoding); omit it or pass {\"type\": \"text\"}",
+                            param="response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ProtocolError("modalities: nonstop produces text only; omit it or pass [\"text\"]",
+                            param="modalities")
     for key in ("presence_penalty", "frequency_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ProtocolError(f"{key} is not supported by nonstop; omit it or pass 0", param=key)
@@ -143,11 +175,13 @@ class SamplingFields:
     include_usage: bool = False
 
 
-def _parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int | None) -> SamplingFields:
+def _parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int | None,
+                    min_max_tokens: int = 1) -> SamplingFields:
     _refuse_unsupported(body)
     # An explicit null means "no limit" (as in vLLM); an absent field takes the default.
     key = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
-    max_tokens = _int(body, key, default_max_tokens if key not in body else None, lo=1)
+    max_tokens = _int(body, key, default_max_tokens if key not in body else None,
+                      lo=min_max_tokens)
     top_k = _int(body, "top_k", None, lo=-1)
     stop = body.get("stop")
     if stop is None:
@@ -176,6 +210,10 @@ def _parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int | None) 
         raise ProtocolError("stream_options is only allowed with stream=true, as an object",
                             param="stream_options")
     include_usage = _bool(options or {}, "include_usage", False)
+    unknown = sorted(set(options or {}) - {"include_usage"})
+    if unknown or _bool(options or {}, "continuous_usage_stats", False):
+        raise ProtocolError(f"stream_options: nonstop supports include_usage only, got "
+                            f"{unknown}", param="stream_options")
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, lo=0.0, hi=1e4),
@@ -211,6 +249,7 @@ class CompletionRequest:
     prompts: tuple[Prompt, ...]
     sampling: SamplingFields
     logprobs: int | None = None
+    echo: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
 
@@ -249,15 +288,19 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
     if "prompt" not in body:
         raise ProtocolError("prompt is required", param="prompt")
-    if body.get("echo"):
-        raise ProtocolError("echo is not supported by nonstop", param="echo")
     if body.get("suffix"):
         raise ProtocolError("suffix is not supported by nonstop", param="suffix")
+    echo = _bool(body, "echo", False)
+    sampling = _parse_sampling(body, default_max_tokens=16, min_max_tokens=0 if echo else 1)
+    if echo and sampling.stream:
+        raise ProtocolError("echo is not supported with stream=true; send stream=false",
+                            param="echo")
     return CompletionRequest(
         model=_model(body),
         prompts=_parse_prompts(body["prompt"]),
-        sampling=_parse_sampling(body, default_max_tokens=16),
+        sampling=sampling,
         logprobs=_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS),
+        echo=echo,
         return_token_ids=_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
     )
@@ -271,6 +314,8 @@ class ChatCompletionRequest:
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None
     sampling: SamplingFields
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int = 0
     add_generation_prompt: bool = True
@@ -280,6 +325,55 @@ class ChatCompletionRequest:
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+
+ToolChoice = Literal["none", "auto", "required"] | str
+"""What the model may call: "none", "auto", "required", or (any other string) the one tool
+named by {"type": "function", "function": {"name": ...}}."""
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ProtocolError("tools must be a list of tool objects", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type", "function") == "function"
+                and isinstance(function, dict) and isinstance(function.get("name"), str)
+                and function["name"]):
+            raise ProtocolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                f"{{\"name\": str, ...}}}}, got {tool!r:.100}", param="tools")
+    return tuple(tools)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[dict[str, Any], ...] | None) -> ToolChoice:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    names = [t["function"]["name"] for t in tools or ()]
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ProtocolError(f"tool_choice must be one of {_TOOL_CHOICES} or "
+                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                                f"got {choice!r:.100}", param="tool_choice")
+        if name not in names:
+            raise ProtocolError(f"tool_choice names the function {name!r}, which is not in "
+                                f"tools ({names})", param="tool_choice")
+        if name in _TOOL_CHOICES:
+            raise ProtocolError(f"tool_choice: a tool named {name!r} cannot be chosen by name",
+                                param="tool_choice")
+        return name
+    if choice not in _TOOL_CHOICES:
+        raise ProtocolError(f"tool_choice must be one of {_TOOL_CHOICES} or a named function, "
+                            f"got {choice!r:.100}", param="tool_choice")
+    if choice != "none" and not tools:
+        raise ProtocolError(f"tool_choice={choice!r} needs tools; send tools or omit "
+                            "tool_choice", param="tool_choice")
+    return choice
 
 
 def _message(message: Any, i: int) -> dict[str, Any]:
@@ -319,10 +413,12 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list of messages", param="messages")
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
-        raise ProtocolError("tools must be a list of tool objects", param="tools")
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError(f"parallel_tool_calls must be a boolean, got {parallel!r}",
+                            param="parallel_tool_calls")
     logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
@@ -333,7 +429,9 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=_model(body),
         messages=tuple(_message(m, i) for i, m in enumerate(messages)),
-        tools=None if not tools else tuple(tools),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel is not False,
         sampling=_parse_sampling(body, default_max_tokens=None),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -381,17 +479,19 @@ def token_label(token_id: int, text: str, *, as_token_id: bool) -> str:
 
 def completion_logprobs(
     labels: Sequence[str],
-    logprobs: Sequence[float],
-    top: Sequence[Sequence[tuple[str, float]]] | None,
+    logprobs: Sequence[float | None],
+    top: Sequence[Sequence[tuple[str, float]] | None] | None,
     text_offset: Sequence[int],
 ) -> dict[str, Any]:
     """The legacy completions logprobs object. `top[i]` lists (label, logprob) alternatives at
     position i, the sampled token included (None: no alternatives asked for); `text_offset[i]` is
-    where token i's text starts in the returned text."""
+    where token i's text starts in the returned text. An echoed prompt's first token has None
+    for both (nothing predicts it)."""
     return {
         "tokens": list(labels),
-        "token_logprobs": [float(x) for x in logprobs],
-        "top_logprobs": None if top is None else [dict(alts) for alts in top],
+        "token_logprobs": [None if x is None else float(x) for x in logprobs],
+        "top_logprobs": None if top is None else [None if alts is None else dict(alts)
+                                                  for alts in top],
         "text_offset": list(text_offset),
     }
 

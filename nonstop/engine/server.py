@@ -1,32 +1,40 @@
 """nonstop's OpenAI-compatible HTTP server: the local Engine behind /v1/completions,
-/v1/chat/completions, /v1/models and /health, as a Starlette app run by uvicorn.
+/v1/chat/completions, /v1/models, /metrics, /version and /health, as a Starlette app run by
+uvicorn.
 
-`build_app(OpenAIServing(engine.generate, tokenizer, ...))` makes the ASGI app;
-`serve(ServerConfig(...))` loads a Hugging Face checkpoint directory, starts an Engine on it and
-runs uvicorn until interrupted. The wire format and its vLLM-style extensions are in
-`openai_protocol`; stops, `max_tokens`, `n`, logprobs, streaming and auth are described in
-docs/engine.md, "`nonstop serve`".
+`build_app(OpenAIServing(engine, tokenizer, ...))` makes the ASGI app; `serve(ServerConfig(...))`
+loads a Hugging Face checkpoint directory, starts an Engine on it and runs uvicorn until
+interrupted. Streams are incremental (one SSE chunk per engine decode call), tool calls are
+parsed into `tool_calls` (nonstop.models.tool_parsers), and `echo` / `top_logprobs` read a full
+forward (`scoring.Scorer`). The wire format is in `openai_protocol`; the behaviour, metrics and
+limits are described in docs/serving.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
+import math
+import secrets
+import string
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import nonstop
 from nonstop.engine import openai_protocol as wire
 from nonstop.engine.openai_protocol import (
     ChatCompletionRequest,
@@ -35,73 +43,217 @@ from nonstop.engine.openai_protocol import (
     SamplingFields,
 )
 from nonstop.engine.sampling import SamplingParams
-from nonstop.engine.types import Completion, RequestError
-from nonstop.models.chat import ChatTemplate
+from nonstop.engine.types import Completion, EngineError, RequestError
+from nonstop.models.chat import ChatTemplate, ToolCall
 from nonstop.models.tokenizer import Tokenizer
+from nonstop.models.tool_parsers import TOOL_PARSERS, get_parser
 from nonstop.models.validation import check, check_choice, check_int
+
+if TYPE_CHECKING:
+    from nonstop.engine.engine import Engine
+    from nonstop.engine.scoring import Scorer, Scores
 
 log = logging.getLogger(__name__)
 
-Generate = Callable[[list[int], SamplingParams], Awaitable[Completion]]
+
+# ---------------------------------------------------------------- detokenization
 
 
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-    """One finished generation, rendered for the wire."""
+class IncrementalText:
+    """The text of a growing token list, by incremental detokenization over a short window:
+    text is held back while it ends in an incomplete UTF-8 sequence. `ends[i]` is the length of
+    `text` once token i was added (a token that completes nothing adds no text)."""
 
-    index: int
-    prompt_tokens: tuple[int, ...]
-    completion: Completion
-    deltas: tuple[str, ...]  # text added by each token; "".join(deltas) is the returned text
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.tokens: list[int] = []
+        self.ends: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
 
-    @property
-    def text(self) -> str:
-        return "".join(self.deltas)
+    def _decode(self, start: int, stop: int) -> str:
+        return self._tokenizer.decode(self.tokens[start:stop], skip_special_tokens=self._skip)
 
-    @property
-    def finish_reason(self) -> str:
-        return wire.WIRE_FINISH_REASONS.get(self.completion.finish_reason, "stop")
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix, len(self.tokens))
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
+        self.ends.append(len(self.text))
+
+    def finish(self) -> None:
+        """Flush what is held back (the generation ended mid-character)."""
+        if self._read < len(self.tokens):
+            self.text += self._decode(self._prefix, len(self.tokens))[
+                len(self._decode(self._prefix, self._read)):]
+            self._prefix = self._read = len(self.tokens)
+            if self.ends:
+                self.ends[-1] = len(self.text)
 
 
 def text_deltas(tokenizer: Tokenizer, tokens: Sequence[int], *, skip_special_tokens: bool,
                 stop: Sequence[str] = ()) -> list[str]:
-    """The text each token adds, by incremental detokenization over a short window (holding text
-    back while it ends in an incomplete UTF-8 sequence), cut before the first stop string."""
-    deltas: list[str] = []
-    prefix, read = 0, 0
-    for i in range(len(tokens)):
-        last = i == len(tokens) - 1
-        before = tokenizer.decode(tokens[prefix:read], skip_special_tokens=skip_special_tokens)
-        after = tokenizer.decode(tokens[prefix:i + 1], skip_special_tokens=skip_special_tokens)
-        if (len(after) > len(before) and not after.endswith("\ufffd")) or last:
-            deltas.append(after[len(before):])
-            prefix, read = read, i + 1
-        else:
-            deltas.append("")
-    if stop:
-        text = "".join(deltas)
-        cut = min((p for s in stop if (p := text.find(s)) >= 0), default=-1)
+    """The text each token adds (see `IncrementalText`), cut before the first stop string."""
+    text = IncrementalText(tokenizer, skip_special_tokens=skip_special_tokens)
+    for token in tokens:
+        text.add(token)
+    text.finish()
+    cut = min((p for s in stop if (p := text.text.find(s)) >= 0), default=len(text.text))
+    ends = [min(e, cut) for e in text.ends]
+    return [text.text[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+# ---------------------------------------------------------------- metrics
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _Histogram:
+    def __init__(self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS):
+        self.name, self.doc, self.buckets = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
+            total += n
+            le = "+Inf" if bound == math.inf else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
+        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class Metrics:
+    """The server's Prometheus metrics, rendered in the text exposition format at /metrics."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.running = 0  # generation requests being served
+        self.ttft = _Histogram("nonstop_time_to_first_token_seconds",
+                               "Seconds from a request's arrival to its first generated token.")
+        self.itl = _Histogram("nonstop_inter_token_latency_seconds",
+                              "Seconds between consecutive generated tokens of a request.")
+        self.e2e = _Histogram("nonstop_e2e_request_latency_seconds",
+                              "Seconds from a request's arrival to its last token.")
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def render(self, engine: Engine | None) -> str:
+        lines = ["# HELP nonstop_requests_total HTTP requests answered, by endpoint and status.",
+                 "# TYPE nonstop_requests_total counter"]
+        for (endpoint, status), n in sorted(self.requests.items()):
+            lines.append(f'nonstop_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        for name, doc, kind, value in [
+            ("nonstop_prompt_tokens_total", "Prompt tokens of generation requests.", "counter",
+             self.prompt_tokens),
+            ("nonstop_generation_tokens_total", "Tokens generated.", "counter",
+             self.generation_tokens),
+            ("nonstop_requests_running", "Generation requests being served.", "gauge",
+             self.running),
+        ]:
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        if engine is not None:
+            stats = engine.stats()
+            slots, max_len = engine.config.max_slots, engine.config.max_len
+            for name, doc, value in [
+                ("nonstop_queue_depth", "Requests waiting for a slot.", stats.waiting),
+                ("nonstop_slots_in_use", "Engine slots running a request.", stats.active_slots),
+                ("nonstop_slots_total", "Engine slots.", slots),
+                ("nonstop_kv_cache_usage_ratio", "Fraction of KV-cache positions holding tokens.",
+                 stats.cached_tokens / (slots * max_len)),
+            ]:
+                lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name} {value}"]
+        for histogram in (self.ttft, self.itl, self.e2e):
+            lines += histogram.render()
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- one choice in flight
+
+
+@dataclasses.dataclass(eq=False)
+class _Choice:
+    """One generation (a choice of a request) as it streams in from the engine."""
+
+    index: int
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+    text: IncrementalText
+    stop: tuple[str, ...]
+    arrival: float
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    completion: Completion | None = None
+    sent: int = 0  # characters of visible text already sent (streaming)
+    emitted: int = 0  # tokens already sent (streaming)
+    last_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.text.tokens
+
+    def visible(self) -> str:
+        """The text that can be shown now: cut before a stop string and, while the generation
+        runs, without the tail a stop string could still start in."""
+        text = self.text.text
+        if self.completion is not None:
+            why = self.completion.stop_reason
+            cut = text.find(why) if isinstance(why, str) else -1
+            return text if cut < 0 else text[:cut]
+        cut = min((p for s in self.stop if (p := text.find(s)) >= 0), default=-1)
         if cut >= 0:
-            kept, total = [], 0
-            for delta in deltas:
-                kept.append(delta[: max(0, cut - total)])
-                total += len(delta)
-            deltas = kept
-    return deltas
+            return text[:cut]
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        return text[: len(text) - hold]
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.completion is not None
+        return wire.WIRE_FINISH_REASONS.get(self.completion.finish_reason, "stop")
+
+
+def _tool_call_id(parser: str) -> str:
+    if parser == "mistral":  # Mistral's templates insist on 9 alphanumerics
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 class OpenAIServing:
-    """The request handlers; one per app, holding the engine, tokenizer and served model name."""
+    """The request handlers; one per app, holding the engine, tokenizer and served model name.
 
-    def __init__(self, generate: Generate, tokenizer: Tokenizer, *, model_name: str,
-                 vocab_size: int, max_len: int, api_key: str | None = None):
-        self._generate = generate
+    `scorer` (None: refused) serves `echo` and `top_logprobs`; `tool_parser` (a name in
+    `TOOL_PARSERS`; None: chat tool calls stay text and `tools` are refused) reads tool calls.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_len: int,
+                 scorer: Scorer | None = None, tool_parser: str | None = None,
+                 api_key: str | None = None):
+        self._engine = engine
         self._tokenizer = tokenizer
         self.model_name = model_name
-        self._vocab_size = vocab_size
+        self._vocab_size = engine.model_config.vocab_size
         self._max_len = max_len
+        self._scorer = scorer
+        self.tool_parser = tool_parser
+        self._parser = None if tool_parser is None else get_parser(tool_parser)
         self._api_key = api_key
         self._created = int(time.time())
+        self.metrics = Metrics()
 
     # ---------------------------------------------------------------- plumbing
 
@@ -127,7 +279,7 @@ class OpenAIServing:
                                 f"{self.model_name!r}", param="model", status=404,
                                 type="not_found_error")
 
-    def _sampling_params(self, fields: SamplingFields, prompt_len: int, choice: int) -> SamplingParams:
+    def _sampling_params(self, fields: SamplingFields, choice: int) -> SamplingParams:
         stop_ids = list(fields.stop_token_ids)
         bad = [t for t in stop_ids if not 0 <= t < self._vocab_size]
         if bad:
@@ -135,13 +287,13 @@ class OpenAIServing:
                                 f"[0, {self._vocab_size})", param="stop_token_ids")
         if not fields.ignore_eos:
             stop_ids += [t for t in self._tokenizer.eos_ids if t not in stop_ids]
-        del prompt_len  # the engine ends a generation that fills the context ("cache_full")
         try:
             return SamplingParams(
                 temperature=fields.temperature,
                 top_k=fields.top_k or 0,
                 top_p=fields.top_p,
-                max_tokens=fields.max_tokens,
+                # 0 (echo only) generates nothing; the params are never used then.
+                max_tokens=None if fields.max_tokens is None else max(fields.max_tokens, 1),
                 stop_token_ids=tuple(stop_ids),
                 stop=fields.stop,
                 seed=None if fields.seed is None else fields.seed + choice,
@@ -155,7 +307,8 @@ class OpenAIServing:
         wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self._max_len)
         return tokens
 
-    def _chat_prompt_tokens(self, req: ChatCompletionRequest) -> tuple[int, ...]:
+    def _chat_prompt_tokens(self, req: ChatCompletionRequest, forced: str
+                            ) -> tuple[int, ...]:
         try:
             template = ChatTemplate.from_tokenizer(self._tokenizer, tools=req.tools is not None)
             text = template.render(req.messages, tools=req.tools,
@@ -164,96 +317,143 @@ class OpenAIServing:
         except Exception as error:  # a template error is the request's fault: report it
             raise ProtocolError(f"could not render the messages with the chat template: {error}",
                                 param="messages") from error
-        tokens = tuple(self._tokenizer.encode(text, add_special_tokens=False))
+        tokens = tuple(self._tokenizer.encode(text + forced, add_special_tokens=False))
         wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self._max_len,
                                  param="messages")
         return tokens
 
-    async def _run(self, index: int, prompt: tuple[int, ...], params: SamplingParams,
-                   fields: SamplingFields) -> _Choice:
-        try:
-            completion = await self._generate(list(prompt), params)
-        except RequestError as error:
-            raise ProtocolError(str(error)) from error
-        stop_string = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-        deltas = text_deltas(self._tokenizer, completion.tokens,
-                             skip_special_tokens=fields.skip_special_tokens,
-                             stop=() if stop_string is None else (stop_string,))
-        return _Choice(index=index, prompt_tokens=prompt, completion=completion,
-                       deltas=tuple(deltas))
-
-    def _labels(self, tokens: Sequence[int], as_token_ids: bool) -> list[str]:
-        return [wire.token_label(t, self._tokenizer.decode([t]), as_token_id=as_token_ids)
-                for t in tokens]
-
-    # ---------------------------------------------------------------- shared request flow
-
-    def _plan(self, fields: SamplingFields, prompts: Sequence[tuple[int, ...]]
-              ) -> list[tuple[int, tuple[int, ...], SamplingParams]]:
-        """(choice index, prompt, params) for every choice: n per prompt, validated up front."""
-        return [(p * fields.n + i, prompt, self._sampling_params(fields, len(prompt), i))
+    def _choices(self, fields: SamplingFields, prompts: Sequence[tuple[int, ...]],
+                 arrival: float) -> list[_Choice]:
+        """Every choice of a request: n per prompt, validated up front."""
+        return [_Choice(index=p * fields.n + i, prompt_tokens=prompt,
+                        params=self._sampling_params(fields, i),
+                        text=IncrementalText(self._tokenizer,
+                                             skip_special_tokens=fields.skip_special_tokens),
+                        stop=fields.stop, arrival=arrival)
                 for p, prompt in enumerate(prompts) for i in range(fields.n)]
 
-    async def _gather(self, plan, fields: SamplingFields) -> list[_Choice]:
-        tasks = [asyncio.ensure_future(self._run(i, prompt, params, fields))
-                 for i, prompt, params in plan]
+    async def _generate(self, choice: _Choice, updates: asyncio.Queue[Any]) -> None:
+        """Run one choice on the engine, recording each chunk and queueing (choice, new
+        tokens) after it; an error is queued as (choice, exception)."""
         try:
-            return list(await asyncio.gather(*tasks))
+            async for chunk in self._engine.stream(list(choice.prompt_tokens), choice.params):
+                now = time.perf_counter()
+                n = len(chunk.tokens)
+                if n:
+                    if choice.last_token_at is None:
+                        self.metrics.ttft.observe(now - choice.arrival)
+                        if n > 1:
+                            self.metrics.itl.observe(0.0, n - 1)
+                    else:
+                        self.metrics.itl.observe((now - choice.last_token_at) / n, n)
+                    choice.last_token_at = now
+                    self.metrics.generation_tokens += n
+                for token in chunk.tokens:
+                    choice.text.add(token)
+                choice.logprobs += chunk.logprobs
+                choice.versions += chunk.policy_versions
+                if chunk.completion is not None:
+                    choice.text.finish()
+                    choice.completion = chunk.completion
+                    self.metrics.e2e.observe(now - choice.arrival)
+                await updates.put((choice, n))
+        except RequestError as error:
+            await updates.put((choice, ProtocolError(str(error))))
+        except Exception as error:  # noqa: BLE001 - reported to the client, logged
+            log.exception("generation failed")
+            await updates.put((choice, error))
+
+    async def _run(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, int]]:
+        """(choice, new token count) as each engine chunk of any choice arrives, until all have
+        finished; leaving early cancels the rest (their slots are freed)."""
+        updates: asyncio.Queue[Any] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._generate(c, updates)) for c in choices]
+        self.metrics.running += 1
+        self.metrics.prompt_tokens += sum(len(c.prompt_tokens) for c in choices)
+        try:
+            pending = len(choices)
+            while pending:
+                choice, item = await updates.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if choice.completion is not None:
+                    pending -= 1
+                yield choice, item
         finally:
+            self.metrics.running -= 1
             for task in tasks:
                 task.cancel()
 
-    async def _as_finished(self, plan, fields: SamplingFields) -> AsyncIterator[_Choice]:
-        tasks = [asyncio.ensure_future(self._run(i, prompt, params, fields))
-                 for i, prompt, params in plan]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
-        finally:
-            for task in tasks:
-                task.cancel()
+    async def _finish_all(self, request: Request, choices: list[_Choice]) -> None:
+        """Run every choice to its end; a client that disconnects first cancels them."""
 
-    def _extras(self, choice: _Choice, tokens: Sequence[int], versions: Sequence[int],
-                return_token_ids: bool, *, final: bool) -> dict[str, Any]:
-        extras: dict[str, Any] = {"policy_versions": [int(v) for v in versions]}
+        async def consume() -> None:
+            async for _ in self._run(choices):
+                pass
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.create_task(consume())
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                raise ProtocolError("the client disconnected", status=499)
+        work.result()
+
+    async def _scores(self, tokens: Sequence[int], param: str) -> Scores:
+        if self._scorer is None:
+            raise ProtocolError(f"{param}: this server has no scorer for its model (a "
+                                "vision-language checkpoint); omit it", param=param)
+        return await asyncio.to_thread(self._scorer.score, list(tokens))
+
+    def _label(self, token: int, as_token_id: bool) -> str:
+        return wire.token_label(token, self._tokenizer.decode([token]), as_token_id=as_token_id)
+
+    def _top(self, scores: Scores, rows: range, k: int, as_token_id: bool
+             ) -> list[list[tuple[str, float]]]:
+        return [[(self._label(int(t), as_token_id), float(lp))
+                 for t, lp in zip(scores.top_ids[r, :k], scores.top_logprobs[r, :k],
+                                  strict=True)] for r in rows]
+
+    def _extras(self, choice: _Choice, start: int, stop: int, return_token_ids: bool, *,
+                final: bool) -> dict[str, Any]:
+        extras: dict[str, Any] = {"policy_versions": choice.versions[start:stop]}
         if return_token_ids:
-            extras["token_ids"] = [int(t) for t in tokens]
+            extras["token_ids"] = choice.tokens[start:stop]
+            if start == 0:
+                extras["prompt_token_ids"] = list(choice.prompt_tokens)
         if final:
+            assert choice.completion is not None
             extras["stop_reason"] = choice.completion.stop_reason
             extras["engine_finish_reason"] = choice.completion.finish_reason
         return extras
 
-    def _stream(self, plan, fields: SamplingFields, chunk: Callable[[_Choice, int, int], dict],
-                header: Callable[[_Choice], dict | None], envelope: dict[str, Any]
-                ) -> StreamingResponse:
-        """SSE: per choice, an optional header chunk, one chunk per token with text, and usage."""
-
-        async def events() -> AsyncIterator[bytes]:
-            prompt_total, completion_total = 0, 0
+    def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
             try:
-                async for choice in self._as_finished(plan, fields):
-                    if (first := header(choice)) is not None:
-                        yield wire.sse_event({**envelope, "choices": [first]})
-                    count = len(choice.completion.tokens)
-                    for start in range(count):
-                        yield wire.sse_event({**envelope, "choices": [chunk(choice, start, count)]})
-                    if choice.index % fields.n == 0:
-                        prompt_total += len(choice.prompt_tokens)
-                    completion_total += count
+                async for event in events:
+                    yield wire.sse_event(event)
             except ProtocolError as error:
                 yield wire.sse_event(error.body())
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - reported in the stream, logged
                 log.exception("streaming request failed")
-                yield wire.sse_event(wire.error_body(f"internal error: {error}", type="server_error",
-                                                     code=500))
-            else:
-                if fields.include_usage:
-                    yield wire.sse_event({**envelope, "choices": [],
-                                          "usage": wire.usage(prompt_total, completion_total)})
+                yield wire.sse_event(wire.error_body(f"internal error: {error}",
+                                                     type="server_error", code=500))
             yield wire.SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+    @staticmethod
+    def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
+        return wire.usage(sum(len(c.prompt_tokens) for c in choices[::n]),
+                          sum(len(c.tokens) for c in choices))
 
     # ---------------------------------------------------------------- /v1/completions
 
@@ -261,142 +461,331 @@ class OpenAIServing:
         self._authorize(request)
         req: CompletionRequest = wire.parse_completion_request(await self._body(request))
         self._check_model(req.model)
-        if req.logprobs:
-            raise ProtocolError("logprobs > 0 (top alternatives) is not supported: nonstop's "
-                                "engine records the sampled token's logprob only; use logprobs=0",
+        if req.logprobs and self._scorer is None:
+            raise ProtocolError("logprobs > 0 needs a scorer, which this model has not",
                                 param="logprobs")
         fields = req.sampling
-        plan = self._plan(fields, [self._prompt_tokens(p) for p in req.prompts])
+        prompts = [self._prompt_tokens(p) for p in req.prompts]
+        choices = self._choices(fields, prompts, time.perf_counter())
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                     "created": int(time.time()), "model": self.model_name}
+        k = req.logprobs or 0
+        as_ids = req.return_tokens_as_token_ids
 
-        def body(choice: _Choice, start: int, stop: int, *, final: bool) -> dict[str, Any]:
-            c = choice.completion
-            tokens, logprobs = c.tokens[start:stop], c.logprobs[start:stop]
-            out: dict[str, Any] = {"index": choice.index,
-                                   "text": "".join(choice.deltas[start:stop]), "logprobs": None,
-                                   "finish_reason": choice.finish_reason if final else None}
-            if req.logprobs is not None:
-                labels = self._labels(tokens, req.return_tokens_as_token_ids)
-                offsets = list(itertools.accumulate(
-                    (len(d) for d in choice.deltas[:stop - 1]), initial=0))[start:stop]
-                out["logprobs"] = wire.completion_logprobs(
-                    labels, logprobs, [[(lab, lp)] for lab, lp in zip(labels, logprobs, strict=True)],
-                    offsets)
-            out.update(self._extras(choice, tokens, c.policy_versions[start:stop],
-                                    req.return_token_ids, final=final))
-            if req.return_token_ids and start == 0:
-                out["prompt_token_ids"] = list(choice.prompt_tokens)
-            return out
+        async def logprobs_of(choice: _Choice, start: int, stop: int, text_start: int
+                              ) -> dict[str, Any] | None:
+            if req.logprobs is None:
+                return None
+            tokens, lps = choice.tokens[start:stop], choice.logprobs[start:stop]
+            labels = [self._label(t, as_ids) for t in tokens]
+            top: list[list[tuple[str, float]]] = [[(lab, lp)] for lab, lp in
+                                                  zip(labels, lps, strict=True)]
+            if k and tokens:
+                scores = await self._scores([*choice.prompt_tokens, *choice.tokens[:stop]],
+                                            "logprobs")
+                p = len(choice.prompt_tokens)
+                top = [[*alts, *sampled] for alts, sampled in
+                       zip(self._top(scores, range(p + start, p + stop), k, as_ids), top,
+                           strict=True)]
+            visible = len(choice.visible())
+            ends = [min(e, visible) for e in choice.text.ends]
+            offsets = [text_start + (ends[i - 1] if i else 0) for i in range(start, stop)]
+            return wire.completion_logprobs(labels, lps, top, offsets)
 
         if fields.stream:
-            return self._stream(
-                plan, fields,
-                lambda ch, i, n: body(ch, i, i + 1, final=i == n - 1),
-                lambda ch: None, envelope)
-        choices = await self._gather(plan, fields)
-        prompt_tokens = sum(len(ch.prompt_tokens) for ch in choices[:: fields.n])
-        return JSONResponse({
-            **envelope,
-            "choices": [body(ch, 0, len(ch.completion.tokens), final=True) for ch in choices],
-            "usage": wire.usage(prompt_tokens, sum(len(ch.completion.tokens) for ch in choices)),
-        })
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                async for choice, _ in self._run(choices):
+                    final = choice.completion is not None
+                    start, stop = choice.emitted, len(choice.tokens)
+                    visible = choice.visible()
+                    text, choice.sent, choice.emitted = visible[choice.sent:], len(visible), stop
+                    yield {**envelope, "choices": [{
+                        "index": choice.index, "text": text,
+                        "logprobs": await logprobs_of(choice, start, stop, 0),
+                        "finish_reason": choice.finish_reason if final else None,
+                        **self._extras(choice, start, stop, req.return_token_ids,
+                                       final=final)}]}
+                if fields.include_usage:
+                    yield {**envelope, "choices": [], "usage": self._usage(choices, fields.n)}
+
+            return self._sse(events())
+
+        if fields.max_tokens == 0:  # echo only: nothing to generate
+            for choice in choices:
+                choice.completion = Completion(tokens=(), logprobs=(), finish_reason="length",
+                                               policy_versions=())
+        else:
+            await self._finish_all(request, choices)
+        out = []
+        for choice, prompt in zip(choices, [p for p in req.prompts for _ in range(fields.n)],
+                                  strict=True):
+            text = choice.visible()
+            body: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": None,
+                                    "finish_reason": choice.finish_reason}
+            if req.echo:
+                echoed = (prompt if isinstance(prompt, str) else
+                          self._tokenizer.decode(list(prompt),
+                                                 skip_special_tokens=fields.skip_special_tokens))
+                body["text"] = echoed + text
+                if req.logprobs is not None:
+                    body["logprobs"] = await self._echo_logprobs(choice, echoed, k, as_ids)
+            else:
+                body["logprobs"] = await logprobs_of(choice, 0, len(choice.tokens), 0)
+            body.update(self._extras(choice, 0, len(choice.tokens), req.return_token_ids,
+                                     final=True))
+            out.append(body)
+        return JSONResponse({**envelope, "choices": out,
+                             "usage": self._usage(choices, fields.n)})
+
+    async def _echo_logprobs(self, choice: _Choice, echoed: str, k: int, as_ids: bool
+                             ) -> dict[str, Any]:
+        """Logprobs over the prompt and the completion, the prompt's from a full forward (its
+        first token has none: nothing predicts it)."""
+        prompt = list(choice.prompt_tokens)
+        scores = await self._scores([*prompt, *choice.tokens], "echo")
+        p = len(prompt)
+        labels = [self._label(t, as_ids) for t in [*prompt, *choice.tokens]]
+        lps: list[float | None] = [None, *map(float, scores.logprobs[1:p]), *choice.logprobs]
+        rows = range(p + len(choice.tokens))
+        top: list[list[tuple[str, float]] | None] = []
+        for r in rows:
+            if r == 0:
+                top.append(None)
+                continue
+            alts = self._top(scores, range(r, r + 1), k, as_ids)[0] if k else []
+            lp = lps[r]
+            assert lp is not None
+            top.append([*alts, (labels[r], lp)])
+        text = self._tokenizer.decode
+        offsets = [len(text(prompt[:i])) if i < p else len(echoed) + (
+            choice.text.ends[i - p - 1] if i > p else 0) for i in rows]
+        return wire.completion_logprobs(labels, lps, top, [min(o, len(echoed) + len(
+            choice.visible())) for o in offsets])
 
     # ---------------------------------------------------------------- /v1/chat/completions
+
+    def _forced_prefix(self, req: ChatCompletionRequest) -> str:
+        """The opening of a call written into the prompt for tool_choice "required" or a named
+        function, so the model's turn can only be a call (to that function)."""
+        if req.tool_choice in ("none", "auto"):
+            return ""
+        assert self._parser is not None
+        return self._parser.call_prefix(None if req.tool_choice == "required"
+                                        else req.tool_choice)
+
+    def _tool_calls(self, req: ChatCompletionRequest, choice: _Choice, forced: str
+                    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool_calls) of a finished choice; no calls unless tools apply."""
+        text = choice.visible()
+        if self._parser is None or req.tool_choice == "none":
+            return text, []
+        turn = self._parser.parse(forced + text)
+        calls = list(turn.tool_calls)
+        if not req.parallel_tool_calls:
+            calls = calls[:1]
+        if forced:
+            names = [t["function"]["name"] for t in req.tools or ()]
+            wanted = names if req.tool_choice == "required" else [req.tool_choice]
+            if not calls or any(c.name not in wanted for c in calls):
+                if choice.finish_reason == "length":  # cut short: what there is, as text
+                    return forced + text, []
+                why = turn.errors[0].message if turn.errors else "no call of " + ", ".join(wanted)
+                raise ProtocolError(
+                    f"tool_choice={req.tool_choice!r}: the model's turn is not a valid call "
+                    f"({why}): {(forced + text)[:200]!r}; nonstop forces the call's opening, "
+                    "not its arguments (no constrained decoding): retry, or use 'auto'",
+                    param="tool_choice", status=500, type="server_error")
+        if not calls:
+            return text, []
+        return (turn.content or None), [self._wire_call(c, i) for i, c in enumerate(calls)]
+
+    def _wire_call(self, call: ToolCall, index: int) -> dict[str, Any]:
+        assert self.tool_parser is not None
+        arguments = (call.arguments if isinstance(call.arguments, str)
+                     else json.dumps(dict(call.arguments), ensure_ascii=False))
+        return {"index": index, "id": _tool_call_id(self.tool_parser), "type": "function",
+                "function": {"name": call.name, "arguments": arguments}}
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         req: ChatCompletionRequest = wire.parse_chat_request(await self._body(request))
         self._check_model(req.model)
-        if req.top_logprobs:
-            raise ProtocolError("top_logprobs > 0 is not supported: nonstop's engine records the "
-                                "sampled token's logprob only; use top_logprobs=0",
+        if req.tools is not None and self._parser is None:
+            raise ProtocolError("tools: this server reads no tool calls (its chat template's "
+                                "format is unknown); start it with --tool-parser "
+                                f"{{{','.join(TOOL_PARSERS)}}}", param="tools")
+        if req.top_logprobs and self._scorer is None:
+            raise ProtocolError("top_logprobs > 0 needs a scorer, which this model has not",
                                 param="top_logprobs")
         fields = req.sampling
-        plan = self._plan(fields, [self._chat_prompt_tokens(req)])
+        forced = self._forced_prefix(req)
+        choices = self._choices(fields, [self._chat_prompt_tokens(req, forced)],
+                                time.perf_counter())
         envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                     "model": self.model_name}
+        as_ids = req.return_tokens_as_token_ids
 
-        def logprobs_of(choice: _Choice, start: int, stop: int) -> dict[str, Any] | None:
+        async def logprobs_of(choice: _Choice, start: int, stop: int) -> dict[str, Any] | None:
             if not req.logprobs:
                 return None
-            c = choice.completion
-            labels = self._labels(c.tokens[start:stop], req.return_tokens_as_token_ids)
-            return wire.chat_logprobs(labels, c.logprobs[start:stop], [[] for _ in labels])
+            tokens = choice.tokens[start:stop]
+            labels = [self._label(t, as_ids) for t in tokens]
+            top: list[list[tuple[str, float]]] = [[] for _ in labels]
+            if req.top_logprobs and tokens:
+                scores = await self._scores([*choice.prompt_tokens, *choice.tokens[:stop]],
+                                            "top_logprobs")
+                p = len(choice.prompt_tokens)
+                top = self._top(scores, range(p + start, p + stop), req.top_logprobs, as_ids)
+            return wire.chat_logprobs(labels, choice.logprobs[start:stop], top)
 
-        def extras(choice: _Choice, start: int, stop: int, *, final: bool) -> dict[str, Any]:
-            c = choice.completion
-            out = self._extras(choice, c.tokens[start:stop], c.policy_versions[start:stop],
-                               req.return_token_ids, final=final)
-            if req.return_token_ids and start == 0:
-                out["prompt_token_ids"] = list(choice.prompt_tokens)
-            return out
+        tools_on = self._parser is not None and req.tool_choice != "none"
 
         if fields.stream:
             envelope["object"] = "chat.completion.chunk"
 
-            def chunk(choice: _Choice, i: int, n: int) -> dict[str, Any]:
-                final = i == n - 1
-                return {"index": choice.index, "delta": {"content": choice.deltas[i]},
-                        "logprobs": logprobs_of(choice, i, i + 1),
-                        "finish_reason": choice.finish_reason if final else None,
-                        **extras(choice, i, i + 1, final=final)}
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for choice in choices:
+                    yield {**envelope, "choices": [{
+                        "index": choice.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]}
+                held: set[int] = set()  # choices whose text from `sent` on is a tool call
+                async for choice, _ in self._run(choices):
+                    final = choice.completion is not None
+                    start, stop = choice.emitted, len(choice.tokens)
+                    visible = choice.visible()
+                    end = len(visible)
+                    if tools_on and not forced and choice.index not in held:
+                        n, started = self._parser.stream_split(visible)  # type: ignore[union-attr]
+                        end = max(n, choice.sent)
+                        if started:
+                            held.add(choice.index)
+                    if forced or choice.index in held:
+                        end = choice.sent
+                    delta: dict[str, Any] = {}
+                    if end > choice.sent:
+                        delta["content"] = visible[choice.sent:end]
+                    choice.sent, choice.emitted = end, stop
+                    finish = None
+                    if final:
+                        content, calls = (self._tool_calls(req, choice, forced) if tools_on
+                                          else (visible, []))
+                        if calls:
+                            delta["tool_calls"] = calls
+                            finish = "tool_calls"
+                        else:
+                            if content and len(content) > choice.sent:
+                                delta["content"] = delta.get("content", "") + content[choice.sent:]
+                            finish = choice.finish_reason
+                    yield {**envelope, "choices": [{
+                        "index": choice.index, "delta": delta,
+                        "logprobs": await logprobs_of(choice, start, stop),
+                        "finish_reason": finish,
+                        **self._extras(choice, start, stop, req.return_token_ids,
+                                       final=final)}]}
+                if fields.include_usage:
+                    yield {**envelope, "choices": [], "usage": self._usage(choices, fields.n)}
 
-            def header(choice: _Choice) -> dict[str, Any]:
-                return {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
+            return self._sse(events())
 
-            return self._stream(plan, fields, chunk, header, envelope)
-        choices = await self._gather(plan, fields)
-        return JSONResponse({
-            **envelope,
-            "object": "chat.completion",
-            "choices": [{"index": ch.index,
-                         "message": {"role": "assistant", "content": ch.text},
-                         "logprobs": logprobs_of(ch, 0, len(ch.completion.tokens)),
-                         "finish_reason": ch.finish_reason,
-                         **extras(ch, 0, len(ch.completion.tokens), final=True)}
-                        for ch in choices],
-            "usage": wire.usage(len(choices[0].prompt_tokens),
-                                sum(len(ch.completion.tokens) for ch in choices)),
-        })
+        await self._finish_all(request, choices)
+        out = []
+        for choice in choices:
+            content, calls = (self._tool_calls(req, choice, forced) if tools_on
+                              else (choice.visible(), []))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            out.append({"index": choice.index, "message": message,
+                        "logprobs": await logprobs_of(choice, 0, len(choice.tokens)),
+                        "finish_reason": "tool_calls" if calls else choice.finish_reason,
+                        **self._extras(choice, 0, len(choice.tokens), req.return_token_ids,
+                                       final=True)})
+        return JSONResponse({**envelope, "object": "chat.completion", "choices": out,
+                             "usage": self._usage(choices, fields.n)})
 
-    # ---------------------------------------------------------------- /v1/models, /health
+    # ---------------------------------------------------------------- models, health, metrics
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self._created,
+                "owned_by": "nonstop", "max_model_len": self._max_len}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self._created,
-            "owned_by": "nonstop", "max_model_len": self._max_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": nonstop.__version__})
 
-def _handle_errors(handler: Callable[[Request], Awaitable[Response]]
+    async def prometheus(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(self._engine),
+                                 media_type="text/plain; version=0.0.4")
+
+
+_GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
+
+
+def _handle_errors(serving: OpenAIServing, handler: Callable[[Request], Awaitable[Response]]
                    ) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
-            return await handler(request)
+            response = await handler(request)
         except ProtocolError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        except Exception as error:
+            response = JSONResponse(error.body(), status_code=error.status)
+        except EngineError as error:
+            response = JSONResponse(wire.error_body(f"the engine failed: {error}",
+                                                    type="server_error", code=503),
+                                    status_code=503)
+        except Exception as error:  # noqa: BLE001 - answered as a 500, logged
             log.exception("request to %s failed", request.url.path)
-            return JSONResponse(wire.error_body(f"internal error: {error}", type="server_error",
-                                                code=500), status_code=500)
+            response = JSONResponse(wire.error_body(f"internal error: {error}",
+                                                    type="server_error", code=500),
+                                    status_code=500)
+        serving.metrics.count_request(request.url.path if request.url.path in _GENERATION_ROUTES
+                                      else "other", response.status_code)
+        return response
 
     return endpoint
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404, 405 and other routing errors as OpenAI error JSON."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.url.path!r}; see /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health, /metrics, /version"
+        kind: wire.ErrorType = "not_found_error"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path!r}"
+        kind = "invalid_request_error"
+    else:
+        message, kind = str(exc.detail), "invalid_request_error"
+    return JSONResponse(wire.error_body(message, type=kind, code=exc.status_code),
+                        status_code=exc.status_code, headers=exc.headers)
+
+
 def build_app(serving: OpenAIServing) -> Starlette:
     """The Starlette app routing the OpenAI endpoints to `serving`'s handlers."""
-    routes = [
-        Route("/v1/completions", _handle_errors(serving.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _handle_errors(serving.chat_completions), methods=["POST"]),
-        Route("/v1/models", _handle_errors(serving.models), methods=["GET"]),
-        Route("/health", _handle_errors(serving.health), methods=["GET"]),
-    ]
-    return Starlette(routes=routes)
+
+    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
+        return Route(path, _handle_errors(serving, handler), methods=[method])
+
+    return Starlette(routes=[
+        route("/v1/completions", serving.completions, "POST"),
+        route("/v1/chat/completions", serving.chat_completions, "POST"),
+        route("/v1/models", serving.models, "GET"),
+        route("/v1/models/{model:path}", serving.model, "GET"),
+        route("/health", serving.health, "GET"),
+        route("/version", serving.version, "GET"),
+        route("/metrics", serving.prometheus, "GET"),
+    ], exception_handlers={HTTPException: _http_error})
 
 
 # ---------------------------------------------------------------- running a server
@@ -410,7 +799,9 @@ class ServerConfig:
     """What `nonstop serve` runs: a checkpoint directory, where to listen, and the engine's size.
 
     `api_key=None` serves without authentication; `model_name=None` names the model after the
-    checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot."""
+    checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot;
+    `tool_parser=None` picks the parser from the chat template's tool-call syntax, else from the
+    model family (none found: `tools` are refused)."""
 
     model_dir: str
     host: str = "127.0.0.1"
@@ -420,6 +811,7 @@ class ServerConfig:
     max_slots: int = 8
     max_len: int = 2048
     dtype: Dtype = "float32"
+    tool_parser: str | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     def __post_init__(self) -> None:
@@ -432,6 +824,21 @@ class ServerConfig:
         check_choice(owner, "dtype", self.dtype, Dtype)
         check(self.api_key is None or bool(self.api_key), owner, "api_key", self.api_key,
               "None (no authentication) or a non-empty string")
+        check(self.tool_parser is None or self.tool_parser in TOOL_PARSERS, owner, "tool_parser",
+              self.tool_parser, f"None (from the checkpoint) or one of {TOOL_PARSERS}")
+
+
+def _say(message: str) -> None:
+    """Startup progress on the console (stderr, unbuffered), whatever the log level."""
+    print(f"nonstop serve: {message}", file=sys.stderr, flush=True)
+
+
+def _chat_template_source(tokenizer: Tokenizer) -> str | None:
+    try:
+        return tokenizer.get_chat_template(None, tools=True)
+    except Exception:  # noqa: BLE001 - no template: the family decides
+        return None
+
 
 def serve(config: ServerConfig) -> None:
     """Load `config.model_dir`, start an Engine on it and serve it with uvicorn until stopped."""
@@ -440,21 +847,43 @@ def serve(config: ServerConfig) -> None:
 
     from nonstop.engine.config import EngineConfig
     from nonstop.engine.engine import Engine, gc_heap_frozen
-    from nonstop.models import load_pretrained
+    from nonstop.engine.scoring import Scorer
+    from nonstop.models import Decoder, load_pretrained
+    from nonstop.models.tool_parsers import parser_name_for
 
     model_dir = Path(config.model_dir)
+    started = time.perf_counter()
+    _say(f"loading {model_dir} ({config.dtype}) ...")
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = load_pretrained(model_dir, dtype=getattr(jnp, config.dtype))
     max_len = min(config.max_len, model.cfg.max_position_embeddings)
-    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len), tokenizer=tokenizer)
+    _say(f"loaded {model.cfg.family} in {time.perf_counter() - started:.1f} s; compiling the "
+         f"engine (max_slots={config.max_slots}, max_len={max_len}) ...")
+    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len),
+                    tokenizer=tokenizer)
+    compile_start = time.perf_counter()
     engine.start()  # compiles before the port opens, so /health answering means ready
-    serving = OpenAIServing(engine.generate, tokenizer,
+    tool_parser = config.tool_parser or parser_name_for(_chat_template_source(tokenizer),
+                                                        model.cfg.family)
+    _say(f"compiled in {time.perf_counter() - compile_start:.1f} s; tool-call parser: "
+         f"{tool_parser or 'none (tools are refused; see --tool-parser)'}")
+    serving = OpenAIServing(engine, tokenizer,
                             model_name=config.model_name or model_dir.resolve().name,
-                            vocab_size=model.cfg.vocab_size, max_len=max_len,
-                            api_key=config.api_key)
+                            max_len=max_len, api_key=config.api_key, tool_parser=tool_parser,
+                            scorer=Scorer(model, max_len) if isinstance(model, Decoder) else None)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                _say(f"ready at http://{host}:{port}/v1 (model {serving.model_name!r}, "
+                     f"{time.perf_counter() - started:.1f} s after start)")
+
+    server = Server(uvicorn.Config(build_app(serving), host=config.host, port=config.port,
+                                   log_level=config.log_level))
     try:
         with gc_heap_frozen():  # collections skip the model and JAX, and pause threads less
-            uvicorn.run(build_app(serving), host=config.host, port=config.port,
-                        log_level=config.log_level)
+            server.run()
     finally:
         engine.close()

@@ -70,6 +70,14 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedTurn: ...
 
 
+class ServingToolParser(ToolCallParser, Protocol):
+    """What the server needs beyond `parse` (every parser here has both)."""
+
+    def stream_split(self, text: str) -> tuple[int, bool]: ...
+
+    def call_prefix(self, name: str | None) -> str: ...
+
+
 def _snippet(text: str) -> str:
     text = text.strip()
     return text if len(text) <= _SNIPPET_CHARS else text[:_SNIPPET_CHARS] + "..."
@@ -159,6 +167,13 @@ class HermesParser(_MarkerSplit):
 
     markers = ("<tool_call>",)
     _open, _close = "<tool_call>", "</tool_call>"
+    _prefix = "<tool_call>\n"
+
+    def call_prefix(self, name: str | None) -> str:
+        """The opening of a call (to `name`, else to any function): what the server writes
+        after the generation prompt for tool_choice "required" or a named function."""
+        head = self._prefix + '{"name": "'
+        return head if name is None else head + name + '", "arguments": '
 
     def parse(self, text: str) -> ParsedTurn:
         text = _strip_end_markers(text)
@@ -188,6 +203,7 @@ class GemmaParser(HermesParser):
 
     markers = ("```tool_call",)
     _open, _close = "```tool_call", "```"
+    _prefix = "```tool_call\n"
 
 
 class Llama3JsonParser:
@@ -221,6 +237,9 @@ class Llama3JsonParser:
             last = end
         pieces.append(text[last:])
         return _collect(items, "".join(pieces).replace(self._python_tag, ""))
+
+    def call_prefix(self, name: str | None) -> str:
+        return '{"name": "' if name is None else '{"name": "' + name + '", "parameters": '
 
     def stream_split(self, text: str) -> tuple[int, bool]:
         match = self._maybe_start.search(text)
@@ -288,6 +307,9 @@ class Llama4PythonicParser:
                     for k, v in zip(node.keys, node.values, strict=True)}
         return ast.literal_eval(node)
 
+    def call_prefix(self, name: str | None) -> str:
+        return "[" if name is None else f"[{name}("
+
     def stream_split(self, text: str) -> tuple[int, bool]:
         stripped = text.lstrip()
         if stripped.startswith(("[", self._open)):
@@ -302,6 +324,10 @@ class MistralParser(_MarkerSplit):
 
     markers = ("[TOOL_CALLS]",)
     _marker, _args = "[TOOL_CALLS]", "[ARGS]"
+
+    def call_prefix(self, name: str | None) -> str:
+        head = '[TOOL_CALLS] [{"name": "'
+        return head if name is None else head + name + '", "arguments": '
 
     def parse(self, text: str) -> ParsedTurn:
         text = _strip_end_markers(text)
@@ -352,6 +378,10 @@ class DeepSeekV3Parser(_MarkerSplit):
     _calls_begin, _calls_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     _begin, _sep, _end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     markers = (_calls_begin, _begin)
+
+    def call_prefix(self, name: str | None) -> str:
+        head = self._calls_begin + self._begin + "function" + self._sep
+        return head if name is None else head + name + "\n```json\n"
     _fenced = re.compile(r"\s*(?:function)?\s*$")
 
     def parse(self, text: str) -> ParsedTurn:
@@ -414,7 +444,7 @@ _FAMILY_PARSERS = {"llama": "llama3_json", "qwen2": "hermes", "qwen3": "hermes",
                    "gemma2": "gemma", "gemma3": "gemma"}
 
 
-def get_parser(name: str) -> ToolCallParser:
+def get_parser(name: str) -> ServingToolParser:
     """The parser named `name` (TOOL_PARSERS, or a chat format: "qwen", "llama3", "gemma")."""
     key = _ALIASES.get(name, name)
     if key not in _PARSERS:
@@ -443,5 +473,5 @@ Llama3Parser = Llama3JsonParser
 
 __all__ = ["TOOL_PARSERS", "DeepSeekV3Parser", "GemmaParser", "HermesParser", "Llama3JsonParser",
            "Llama3Parser", "Llama4PythonicParser", "MistralParser", "ParseError", "ParsedTurn",
-           "QwenParser", "ToolCallParser", "call_from_object", "call_from_parts", "get_parser",
+           "QwenParser", "ServingToolParser", "ToolCallParser", "call_from_object", "call_from_parts", "get_parser",
            "parse_tool_calls", "parser_name_for"]

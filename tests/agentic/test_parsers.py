@@ -134,6 +134,17 @@ def test_no_prefix_of_a_turn_raises(parser):
     assert p.stream_split(text)[1]  # the call has begun
 
 
+@pytest.mark.parametrize("parser", TOOL_PARSERS)
+def test_the_forced_call_opening_is_what_the_template_writes(parser):
+    """tool_choice "required" / named: the server writes call_prefix after the generation
+    prompt; the family's own rendering of a call starts with it."""
+    p = get_parser(parser)
+    text = rendered_turn(parser, "", [CALLS[0]])
+    assert text.startswith(p.call_prefix("calculator"))
+    assert p.call_prefix("calculator").startswith(p.call_prefix(None))
+    assert p.parse(text).tool_calls[0].name == "calculator"
+
+
 # Malformed calls in each format: (text, error kinds, calls still read).
 BAD = "{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1+1\""
 GOOD = "{\"name\": \"calculator\", \"arguments\": {\"expression\": \"2*3\"}}"

@@ -15,17 +15,22 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import jax
+import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
 from safetensors.numpy import save_file
 
+import nonstop
+from bench.server_load import gauge, run_load, wait_idle
 from nonstop.engine import openai_protocol as wire
 from nonstop.engine.server import ServerConfig, text_deltas
-from nonstop.models import ModelConfig
+from nonstop.models import ModelConfig, load_pretrained
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.hf_weights import weight_specs
 from nonstop.models.tokenizer import Tokenizer
@@ -62,13 +67,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def start_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_KEY) -> Iterator[str]:
-    """Run `nonstop serve` in a subprocess on a free loopback port; yield its base URL once
-    /health answers; terminate it (kill if it lingers) on exit, whatever happened."""
+def spawn_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_KEY,
+                 extra: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Run `nonstop serve` in a subprocess on a free loopback port; yield (process, base URL) at
+    once (see `wait_healthy`); terminate it (kill if it lingers) on exit, whatever happened."""
     port = _free_port()
     command = [sys.executable, "-m", "nonstop.cli.serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--max-len", str(MAX_LEN), "--max-slots", str(MAX_SLOTS),
-               "--log-level", "warning"]
+               "--log-level", "warning", *extra]
     if api_key is not None:
         command += ["--api-key", api_key]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -78,19 +84,7 @@ def start_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_K
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited with {process.returncode}:\n"
-                                       f"{log_path.read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n"
-                                       f"{log_path.read_text()[-3000:]}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                        break
-                time.sleep(0.25)
-            yield base_url
+            yield process, base_url
         finally:
             process.terminate()
             try:
@@ -98,6 +92,31 @@ def start_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_K
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=15)
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    """Return once /health answers; raise with the server's log if it exits or never does."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n"
+                               f"{log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n"
+                               f"{log_path.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def start_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_KEY,
+                 extra: Sequence[str] = ()) -> Iterator[str]:
+    """`spawn_server`, yielding its base URL once it is healthy."""
+    with spawn_server(model_dir, log_path, api_key=api_key, extra=extra) as (process, url):
+        wait_healthy(process, url, log_path)
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +130,28 @@ def tokenizer(checkpoint: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with start_server(checkpoint, tmp_path_factory.mktemp("log") / "server.log") as url:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, server_log: Path) -> Iterator[str]:
+    with start_server(checkpoint, server_log) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def oai(server: str) -> openai.OpenAI:
+    """The official client, as agents and harnesses use it."""
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def log_softmax(checkpoint: Path):
+    """The reference: log-softmax of a full forward of the checkpoint, row t predicting t + 1."""
+    model = load_pretrained(checkpoint)
+    forward = jax.jit(lambda tokens: jax.nn.log_softmax(model(tokens[None])[0][0], axis=-1))
+    return lambda tokens: np.asarray(forward(jnp.asarray(tokens, jnp.int32)))
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +322,10 @@ def test_stream_reassembles_to_the_unstreamed_result(client: httpx.Client, route
         assert all(p["finish_reason"] is None for p in parts[:-1])
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
 BAD_REQUESTS = [
     ("/v1/completions", {"prompt": list(range(1, MAX_LEN + 5)), "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": "", "max_tokens": 2}, "prompt"),
@@ -293,10 +335,35 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5], "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": [5], "top_k": -7}, "top_k"),
     ("/v1/completions", {"prompt": [5], "stop_token_ids": [VOCAB + 3]}, "stop_token_ids"),
-    ("/v1/completions", {"prompt": [5], "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": [5], "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5], "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": [5], "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": [5], "stream": True,
+                         "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": [5], "min_p": 0.1}, "min_p"),
     ("/v1/completions", b'{"prompt": [5], "max_tokens": ', None),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, param)
+      for extra, param in [
+          ({"response_format": {"type": "json_object"}}, "response_format"),
+          ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+          ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+           "tool_choice"),
+          ({"tool_choice": "required"}, "tool_choice"),
+          ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+          ({"tools": [{"type": "function"}]}, "tools"),
+          ({"functions": [{"name": "f"}]}, "functions"),
+          ({"function_call": "auto"}, "function_call"),
+          ({"guided_json": {"type": "object"}}, "guided_json"),
+          ({"logit_bias": {"5": 3}}, "logit_bias"),
+          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+          ({"top_logprobs": 2}, "top_logprobs"),
+          ({"presence_penalty": 0.5}, "presence_penalty"),
+      ]],
 ]
 
 
@@ -336,3 +403,175 @@ def test_bad_requests_get_400_while_a_good_request_succeeds(server: str):
 def test_server_config_errors_name_field_value_and_valid_range(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ServerConfig(model_dir="ckpt", **kwargs)
+
+
+def _extra(obj, key: str):
+    """A vLLM/nonstop field the openai client keeps beside its own (pydantic extras)."""
+    return (obj.model_extra or {}).get(key)
+
+
+# ---------------------------------------------------------------- through the official client
+
+
+def test_startup_progress_and_ready_line(server: str, server_log: Path):
+    text = server_log.read_text()
+    assert "nonstop serve: loading" in text and "compiling the engine" in text
+    assert f"nonstop serve: ready at {server}/v1 (model 'served_model'" in text
+
+
+def _stream_timeline(stream, client: httpx.Client) -> tuple[list[float], list[int], int]:
+    """(arrival times, tokens per chunk, tokens that existed when the first chunk arrived) of a
+    streamed response; the last is read from /metrics as soon as the first chunk is in."""
+    before = gauge(client.get("/metrics").text, "nonstop_generation_tokens_total")
+    arrivals, counts, existing = [], [], None
+    start = time.perf_counter()
+    for chunk in stream:
+        for choice in chunk.choices:
+            if ids := _extra(choice, "token_ids"):
+                arrivals.append(time.perf_counter() - start)
+                counts.append(len(ids))
+                if existing is None:
+                    metrics = client.get("/metrics").text
+                    existing = gauge(metrics, "nonstop_generation_tokens_total") - before
+    return arrivals, counts, existing
+
+
+def test_streams_are_incremental(oai: openai.OpenAI, client: httpx.Client):
+    """The first chunk arrives while fewer than half of the completion's tokens exist (the
+    server's token counter, read when it arrives, says so), and chunks keep arriving after it:
+    each carries the tokens of one engine decode call (more if the reader lags)."""
+    n = 100
+    body = {"model": "served_model", "max_tokens": n, "temperature": 0, "stream": True,
+            "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    list(oai.completions.create(prompt=[5], **body | {"max_tokens": 2}))  # the client warms up
+    stream = oai.completions.create(prompt=[7, 11, 13], stream_options={"include_usage": True},
+                                    **body)
+    arrivals, counts, existing = _stream_timeline(stream, client)
+    assert sum(counts) == n and existing < n / 2, (counts[:5], existing)
+    assert len(counts) >= 5 and arrivals[-1] > arrivals[0]
+    stream = oai.chat.completions.create(
+        messages=[{"role": "user", "content": "Tell me a story."}], **body | {"max_tokens": 80})
+    arrivals, counts, existing = _stream_timeline(stream, client)
+    assert sum(counts) == 80 and existing < 40, (counts[:5], existing)
+    assert len(counts) >= 5 and arrivals[-1] > arrivals[0]
+
+
+def test_a_disconnecting_client_frees_its_slot(client: httpx.Client, server: str):
+    before = gauge(client.get("/metrics").text, "nonstop_generation_tokens_total")
+    body = {"prompt": [9, 8, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    assert wait_idle(server) == {"nonstop_slots_in_use": 0, "nonstop_requests_running": 0,
+                                 "nonstop_queue_depth": 0}
+    generated = gauge(client.get("/metrics").text, "nonstop_generation_tokens_total") - before
+    assert generated < 120  # the engine stopped generating for it
+
+
+def test_top_logprobs_equal_the_log_softmax(oai: openai.OpenAI, log_softmax):
+    prompt = [7, 11, 13, 17]
+    out = oai.completions.create(model="served_model", prompt=prompt, max_tokens=6,
+                                 temperature=0, logprobs=5,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True,
+                                             "return_tokens_as_token_ids": True})
+    choice = out.choices[0]
+    ids = _extra(choice, "token_ids")
+    reference = log_softmax(prompt + ids)
+    for i, (token, lp, top) in enumerate(zip(ids, choice.logprobs.token_logprobs,
+                                             choice.logprobs.top_logprobs, strict=True)):
+        row = reference[len(prompt) + i - 1]
+        assert lp == pytest.approx(row[token], abs=1e-5)  # the engine's own logprob
+        best = np.argsort(-row)[:5]
+        assert {f"token_id:{t}" for t in best} | {f"token_id:{token}"} == set(top)
+        for t in best:
+            assert top[f"token_id:{t}"] == pytest.approx(row[t], abs=1e-5)
+    # Chat: top_logprobs in the same order as the reference's ranking.
+    chat = oai.chat.completions.create(
+        model="served_model", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=20,
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True})
+    c = chat.choices[0]
+    prompt_ids, ids = _extra(c, "prompt_token_ids"), _extra(c, "token_ids")
+    reference = log_softmax(prompt_ids + ids)
+    for i, entry in enumerate(c.logprobs.content):
+        row = reference[len(prompt_ids) + i - 1]
+        assert entry.logprob == pytest.approx(row[ids[i]], abs=1e-5)
+        assert [a.token for a in entry.top_logprobs] == [f"token_id:{t}"
+                                                         for t in np.argsort(-row)[:20]]
+        np.testing.assert_allclose([a.logprob for a in entry.top_logprobs],
+                                   np.sort(row)[::-1][:20], atol=1e-5)
+
+
+def test_echo_prompt_logprobs_equal_a_full_forward(oai: openai.OpenAI, log_softmax,
+                                                   tokenizer: Tokenizer):
+    """What a log-likelihood harness sends: echo, max_tokens 0, logprobs."""
+    text = "The quick brown fox jumps over the lazy dog"
+    prompt = tokenizer.encode(text, add_special_tokens=True)
+    reference = log_softmax(prompt)
+    out = oai.completions.create(model="served_model", prompt=text, max_tokens=0, echo=True,
+                                 logprobs=1, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == text and out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == 0
+    lps = choice.logprobs.token_logprobs
+    assert lps[0] is None and choice.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(lps[1:], [reference[i - 1, prompt[i]]
+                                         for i in range(1, len(prompt))], atol=1e-5)
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in prompt]
+    assert choice.logprobs.text_offset[0] == 0
+    # With a continuation: the prompt's log-probs, then the sampled tokens'.
+    more = oai.completions.create(model="served_model", prompt=prompt, max_tokens=3,
+                                  echo=True, logprobs=0, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = more.choices[0]
+    ids = _extra(c, "token_ids")
+    full = log_softmax(prompt + ids)
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(prompt) + 3
+    np.testing.assert_allclose(c.logprobs.token_logprobs[1:],
+                               [full[i - 1, t] for i, t in enumerate(prompt + ids) if i],
+                               atol=1e-5)
+
+
+def test_errors_are_openai_json_and_extra_routes(oai: openai.OpenAI, server: str,
+                                                client: httpx.Client):
+    assert oai.models.retrieve("served_model").id == "served_model"
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.models.retrieve("other-model")
+    assert info.value.param == "model" and "served_model" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="served_model", messages=[{"role": "user",
+                                                                      "content": "hi"}],
+                                    response_format={"type": "json_object"})
+    assert info.value.param == "response_format"
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405), ("POST", "/health", 405)]:
+        response = client.request(method, path)
+        assert response.status_code == status, (method, path)
+        error = response.json()["error"]
+        assert error["code"] == status and error["message"] and "type" in error
+    assert httpx.get(f"{server}/version").json() == {"version": nonstop.__version__}
+    metrics = httpx.get(f"{server}/metrics").text
+    for name in ("nonstop_requests_total", "nonstop_prompt_tokens_total",
+                 "nonstop_generation_tokens_total", "nonstop_time_to_first_token_seconds_bucket",
+                 "nonstop_inter_token_latency_seconds_bucket", "nonstop_queue_depth",
+                 "nonstop_slots_in_use", "nonstop_kv_cache_usage_ratio"):
+        assert name in metrics, name
+    assert gauge(metrics, "nonstop_slots_total") == MAX_SLOTS
+    assert 'nonstop_requests_total{endpoint="/v1/completions",status="200"}' in metrics
+
+
+def test_200_streaming_clients_some_disconnecting(server: str):
+    """Bounded loopback load: every client that stays gets all its tokens; the ones that leave
+    free their slots (nothing in use afterwards)."""
+    result = asyncio.run(run_load(server, clients=200, max_tokens=8, prompt_len=8,
+                                  disconnect_every=4, api_key=API_KEY, timeout_s=300))
+    assert len(result.finishers) == 150 and result.complete, [
+        r.error for r in result.finishers if r.error][:3]
+    assert all(r.chunk_times for r in result.records)  # the leavers left mid-stream
+    assert wait_idle(server) == {"nonstop_slots_in_use": 0, "nonstop_requests_running": 0,
+                                 "nonstop_queue_depth": 0}
+    after = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True}, timeout=60)
+    assert after.json()["usage"]["completion_tokens"] == 3
