@@ -15,6 +15,17 @@ attention, no cache, no sampling). Medians over --repeats; compiles after warm-u
 
     python -m bench.engine [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
                            [--decode-buckets 4]
+
+Paged against dense KV cache (`--layouts`, one run, side by side; JSON rows "engine_layout"):
+- memory: the workload above (max_len 512) all at once with the KV capacity of a dense cache
+  of 32 slots x 512 positions; the dense engine has those 32 slots, the paged one
+  `--paged-slots` over a pool of the same positions. Figures: requests holding context at
+  once (the most seen; goal >= 3x dense) and tokens/s (goal >= dense).
+- groups: groups of G = 8 samples (temperature 1) of one 512-token prompt with 64-token
+  answers, `--groups` groups at once: prompt tokens computed (goal <= 1.25 / G of dense) and
+  seconds per group (goal <= 0.5x dense).
+
+    python -m bench.engine --layouts [--quick] [--paged-slots 128] [--groups 4] [--out ...]
 """
 
 from __future__ import annotations
@@ -192,6 +203,91 @@ def _median_time(fn, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
+class _PeakInFlight:
+    """The most requests holding context at once, sampled every millisecond."""
+
+    def __init__(self, engine: Engine) -> None:
+        import threading
+
+        self.engine, self.peak = engine, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.engine.stats().active_slots)
+
+    def __enter__(self) -> _PeakInFlight:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int,
+                block_size: int) -> list[dict[str, object]]:
+    """The memory and groups comparisons of the paged and dense layouts (module docstring)."""
+    rows: list[dict[str, object]] = []
+    max_len, dense_slots = 512, 32
+    capacity = dense_slots * max_len
+    work = (Workload.make(64, (16, 128), (8, 128)) if quick
+            else Workload.make(256, (16, 256), (8, 256)))
+    chunks = (16, 64, 256)
+    for layout, slots in (("dense", dense_slots), ("paged", paged_slots)):
+        config = EngineConfig(max_slots=slots, max_len=max_len, prefill_chunks=chunks,
+                              kv_layout=layout, kv_cache_tokens=capacity,
+                              block_size=block_size)
+        with Engine(model, config) as engine:
+            traces = dict(engine.stats().traces)
+            with _PeakInFlight(engine) as peak:
+                result = run_engine(engine, work, None)
+            stats = engine.stats()
+            rows.append({"benchmark": "engine_layout", "figure": "memory", "layout": layout,
+                         "slots": slots, "kv_capacity_tokens": capacity,
+                         "requests": len(work.prompts), "peak_in_flight": peak.peak,
+                         "tokens_per_s": result["tokens_per_s"], "wall_s": result["wall_s"],
+                         "preemptions": stats.preemptions,
+                         "compiled_after_warmup": stats.traces != traces})
+    G, prompt_len, answer = 8, (128 if quick else 512), (16 if quick else 64)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, CONFIG.vocab_size, prompt_len).tolist() for _ in range(groups)]
+    group_len = prompt_len + answer
+    for layout in ("dense", "paged"):
+        config = EngineConfig(max_slots=G * groups, max_len=group_len, prefill_chunks=chunks,
+                              kv_layout=layout, block_size=block_size)
+        with Engine(model, config) as engine:
+            t = time.perf_counter()
+            futures = [engine.submit(p, SamplingParams(temperature=1.0, max_tokens=answer,
+                                                       seed=g * G + i))
+                       for g, p in enumerate(prompts) for i in range(G)]
+            done = [f.result() for f in futures]
+            wall = time.perf_counter() - t
+            assert all(len(c.tokens) == answer for c in done)
+            rows.append({"benchmark": "engine_layout", "figure": "groups", "layout": layout,
+                         "group_size": G, "groups": groups, "prompt_tokens": prompt_len,
+                         "answer_tokens": answer,
+                         "prompt_tokens_computed": engine.stats().prefilled_tokens,
+                         "seconds_per_group": wall / groups})
+    by = {(r["figure"], r["layout"]): r for r in rows}
+    mem_d, mem_p = by[("memory", "dense")], by[("memory", "paged")]
+    grp_d, grp_p = by[("groups", "dense")], by[("groups", "paged")]
+    print(f"\nmemory ({capacity} KV positions): in flight at once dense {mem_d['peak_in_flight']}"
+          f", paged {mem_p['peak_in_flight']} ({mem_p['peak_in_flight'] / mem_d['peak_in_flight']:.2f}x,"
+          f" goal >= 3); tokens/s dense {mem_d['tokens_per_s']:.1f}, paged "
+          f"{mem_p['tokens_per_s']:.1f} ({mem_p['tokens_per_s'] / mem_d['tokens_per_s']:.2f}x, "
+          f"goal >= 1); paged preemptions {mem_p['preemptions']}")
+    print(f"groups (G={G}, {prompt_len}-token prompt, {answer}-token answers, {groups} at once):"
+          f" prompt tokens computed dense {grp_d['prompt_tokens_computed']}, paged "
+          f"{grp_p['prompt_tokens_computed']} "
+          f"({grp_p['prompt_tokens_computed'] / grp_d['prompt_tokens_computed']:.3f}, goal <= "
+          f"{1.25 / G:.3f}); s/group dense {grp_d['seconds_per_group']:.2f}, paged "
+          f"{grp_p['seconds_per_group']:.2f} "
+          f"({grp_p['seconds_per_group'] / grp_d['seconds_per_group']:.2f}x, goal <= 0.5)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -202,7 +298,21 @@ def main() -> None:
                         help="EngineConfig.decode_buckets (1: batch-invariant, the default)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads for the baseline (default: torch's own)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="only the paged-against-dense figures (module docstring)")
+    parser.add_argument("--paged-slots", type=int, default=128)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
+    if args.layouts:
+        rows = layout_rows(init_decoder(CONFIG, seed=0), quick=args.quick,
+                           paged_slots=args.paged_slots, groups=args.groups,
+                           block_size=args.block_size)
+        if args.out is not None:
+            with args.out.open("a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        return
     import torch
     import transformers
 

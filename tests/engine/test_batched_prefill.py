@@ -110,8 +110,9 @@ def test_an_engine_prefilling_rows_together_matches_one_prefilling_one_by_one(mo
                                                                  seed=i))
                 for i, t in zip(range(12), [0.0, 1.0] * 6, strict=True)]
 
-    def run(rows):
-        with Engine(model, EngineConfig(max_slots=8, max_len=MAX_LEN, prefill_chunks=(8, 32), prefill_rows=rows)) as engine:
+    def run(rows, layout="dense"):
+        with Engine(model, EngineConfig(max_slots=8, max_len=MAX_LEN, prefill_chunks=(8, 32),
+                                        prefill_rows=rows, kv_layout=layout)) as engine:
             traces = engine.stats().traces
 
             async def main():
@@ -124,6 +125,8 @@ def test_an_engine_prefilling_rows_together_matches_one_prefilling_one_by_one(mo
 
     alone, alone_stats = run(1)
     together, stats = run(8)
+    paged, _ = run(8, "paged")
+    assert [r.tokens for r in paged] == [r.tokens for r in alone]
     assert alone_stats.prefill_calls == alone_stats.prefill_chunks
     assert stats.prefill_chunks == alone_stats.prefill_chunks
     assert sorted(k for k in stats.traces if k.startswith("prefill")) == [

@@ -4,7 +4,8 @@ For each family (tiny random Hugging Face checkpoints from tests/models/hf_fixtu
 completions equal a greedy loop over full forward passes, token for token; the returned
 logprobs equal log_softmax of a full forward pass over the completed sequence within 1e-4; and
 a batch of mixed-length requests (more than there are slots) gives the same tokens as the same
-requests one at a time.
+requests one at a time. Both KV layouts: dense rows and the paged block pool (blocks of 5
+positions, so blocks straddle chunks and attention buckets).
 """
 
 from __future__ import annotations
@@ -25,15 +26,21 @@ ATOL_LOGPROB = 1e-4
 PROMPT_LENGTHS = (1, 5, 11, 20)  # chunk size 8: one partial, one exact+partial, several chunks
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[(f, layout) for f in FAMILIES
+                                        for layout in ("dense", "paged")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def family_engine(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    build_hf_model(request.param, directory, seed=11, num_layers=2)
+    family, layout = request.param
+    directory = tmp_path_factory.mktemp(family)
+    build_hf_model(family, directory, seed=11, num_layers=2)
     model = load_pretrained(directory)
     # Attention buckets 16/32/48: the requests below cross them while decoding.
-    engine = Engine(model, EngineConfig(max_slots=3, max_len=MAX_LEN, prefill_chunks=(8,), decode_buckets=3))
+    engine = Engine(model, EngineConfig(max_slots=3, max_len=MAX_LEN, prefill_chunks=(8,),
+                                        decode_buckets=3, kv_layout=layout, block_size=5))
     with engine:
+        warm = dict(engine.stats().traces)
         yield model, engine
+        assert engine.stats().traces == warm  # nothing compiled after warm-up
 
 
 @functools.cache

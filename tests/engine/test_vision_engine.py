@@ -22,12 +22,13 @@ MAX_LEN = 48
 ATOL_LOGPROB = 1e-4
 
 
-@pytest.fixture(scope="module")
-def vlm_engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dense", "paged"])
+def vlm_engine(tmp_path_factory, request):
     directory = tmp_path_factory.mktemp("gemma3_vlm_engine")
     build_hf_vlm(directory, seed=5)
     model = load_pretrained(directory)
-    engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,)))
+    engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8,),
+                                        kv_layout=request.param, block_size=5))
     with engine:
         yield model, engine
 

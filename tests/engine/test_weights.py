@@ -40,13 +40,15 @@ def _greedy(engine, prompt, n):
     return engine.generate_sync(prompt, SamplingParams(temperature=0.0, max_tokens=n))
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
 @pytest.mark.parametrize("mode", ["continue", "abort"])
-def test_update_weights_mid_flight(models, mode):
+def test_update_weights_mid_flight(models, mode, layout):
     a, b = models
     compiles = []
     with Engine(b, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,))) as on_b:
         expected_b = _greedy(on_b, _prompt(5), 80).tokens
-    with Engine(a, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,), on_weight_update=mode)) as engine:
+    with Engine(a, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,),
+                                on_weight_update=mode, kv_layout=layout)) as engine:
         expected_a = _greedy(engine, _prompt(5), 80).tokens
         assert expected_a != expected_b
         traces = engine.stats().traces
