@@ -654,13 +654,13 @@ class OpenAIServing:
                     start, stop = choice.emitted, len(choice.tokens)
                     visible = choice.visible()
                     end = len(visible)
-                    if tools_on and not forced and choice.index not in held:
+                    if forced or choice.index in held:
+                        end = choice.sent  # a call: nothing more is content until it ends
+                    elif tools_on:
                         n, started = self._parser.stream_split(visible)  # type: ignore[union-attr]
                         end = max(n, choice.sent)
                         if started:
                             held.add(choice.index)
-                    if forced or choice.index in held:
-                        end = choice.sent
                     delta: dict[str, Any] = {}
                     if end > choice.sent:
                         delta["content"] = visible[choice.sent:end]
