@@ -68,7 +68,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def spawn_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_KEY,
-                 extra: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, str]]:
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None
+                 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """Run `nonstop serve` in a subprocess on a free loopback port; yield (process, base URL) at
     once (see `wait_healthy`); terminate it (kill if it lingers) on exit, whatever happened."""
     port = _free_port()
@@ -78,7 +79,7 @@ def spawn_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_K
     if api_key is not None:
         command += ["--api-key", api_key]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", **(env or {}))
     env.pop("NONSTOP_API_KEY", None)
     base_url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
