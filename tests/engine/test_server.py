@@ -470,6 +470,18 @@ def test_a_disconnecting_client_frees_its_slot(client: httpx.Client, server: str
     assert generated < 120  # the engine stopped generating for it
 
 
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(client: httpx.Client,
+                                                                  server: str):
+    before = gauge(client.get("/metrics").text, "nonstop_generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", timeout=0.3, json={
+            "prompt": [4, 5, 6], "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "n": 60})  # 60 x 120 tokens on 3 slots: seconds
+    assert wait_idle(server)["nonstop_slots_in_use"] == 0
+    generated = gauge(client.get("/metrics").text, "nonstop_generation_tokens_total") - before
+    assert generated < 60 * 120
+
+
 def test_top_logprobs_equal_the_log_softmax(oai: openai.OpenAI, log_softmax):
     prompt = [7, 11, 13, 17]
     out = oai.completions.create(model="served_model", prompt=prompt, max_tokens=6,
