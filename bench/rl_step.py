@@ -1,5 +1,6 @@
-"""Single-turn GRPO step benchmark (docs/benchmarks.md): nonstop's batch learner against Google's
-Tunix on the same workload, side by side in one run, and where nonstop's step time goes.
+"""Single-turn GRPO step benchmark (docs/benchmarks.md): nonstop's learner at max_staleness 0, 1
+and 2 against Google's Tunix on the same workload, side by side in one run, and where nonstop's
+step time goes.
 
 Workload (the same on both sides): a random Qwen3-style decoder, 4 layers, width 256, 4 heads of
 64, 2 KV heads, feed-forward 512, vocabulary 1024, tied embeddings, float32; per step 8 prompts
@@ -9,20 +10,26 @@ GRPO (`RLAlgorithmConfig.grpo()`: group-normalised advantages, clip 0.2, k3 KL t
 policy in the loss with coefficient 0.04, one optimizer pass); reward: the share of token 7 in
 the completion.
 
-nonstop's side is the `Learner` of `nonstop rl` (nonstop/recipes/rl_recipe.py) over an `Engine`
-and a `PolicyTrainer`; each step is `Learner.train_step()`: rollout of all 32 completions,
-rewards and advantages, packing, the reference log-prob pass, the optimizer step(s), the weight
-push to the engine. Its parts come from nonstop's perf spans (`rollout/queue_wait`,
-`rollout/reward`, `train/data_wait`, `train/step`, `train/weight_sync`); the trainer's log-prob
-pass is wrapped to wait for its result, so the reference pass is not counted inside the train
-step that waits on it. Tunix's side (bench/tunix_rl_step.py) runs in its own Python
-(`--tunix-python`, or `--make-tunix-env DIR` builds one) as a subprocess; repetitions alternate
-the two sides. nonstop's steps run inside `gc_heap_frozen()`, as `nonstop rl` runs its learner. Medians over the timed steps, then over repetitions; compiles after warm-up are
-counted. `--profile DIR` adds a breakdown of nonstop's step (jax.profiler trace, packing fill,
-isolated pass times, donation warnings, host round trips).
+nonstop's side is what `nonstop rl` runs (nonstop/recipes/rl_recipe.py): single-turn episodes
+(`agentic.single_turn.PromptEpisodes`) through the orchestrator and group queue into the
+`StreamingLearner`, over an `Engine` and a `PolicyTrainer`. A mode is the learner's
+`max_staleness`: `staleness0` collects a step's groups, trains, pushes the weights (the
+synchronous step); `staleness1`/`staleness2` let rollouts run one/two versions ahead, so
+generation overlaps training. A step's time is the interval between two learner steps' ends
+(steady-state throughput); its parts are nonstop's perf spans clipped to that interval: `rollout`
+is the trainer's wait for groups (`train/data_wait`: all of generation at staleness 0, only what
+training did not hide above it), `reference` the reference log-prob pass, `train` the optimizer
+step(s), `weight_sync` the push to the engine. The trainer's log-prob pass is wrapped to wait for
+its result, so the reference pass is not counted inside the train step that waits on it. Tunix's
+side (bench/tunix_rl_step.py) runs in its own Python (`--tunix-python`, or `--make-tunix-env DIR`
+builds one) as a subprocess; repetitions alternate the systems. nonstop's steps run inside
+`gc_heap_frozen()`, as `nonstop rl` runs its learner. Medians over the timed steps, then over
+repetitions; compiles after warm-up are counted. `--profile DIR` adds a breakdown of one
+staleness-0 step (jax.profiler trace, packing fill, isolated pass times, donation warnings).
 
     python -m bench.rl_step [--tunix-python /tmp/tunix-venv/bin/python] [--quick] [--steps 10]
-                            [--warmup 3] [--repeats 3] [--profile DIR] [--out results.jsonl]
+                            [--warmup 3] [--repeats 3] [--modes staleness0 staleness1 staleness2]
+                            [--profile DIR] [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import functools
+import itertools
 import json
 import statistics
 import subprocess
@@ -57,29 +66,20 @@ from bench.tunix_rl_step import (
     prompts_of,
 )
 from nonstop import perf
+from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
+from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes
+from nonstop.agentic.streaming import StepRecord, StreamingLearner
 from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.models import Tokenizer, init_decoder
 from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.rl.rewards import Example, Reward
+from nonstop.rl.trajectory import Trajectory
 from nonstop.train import OptimizerConfig, PackingConfig
 
-try:
-    from nonstop.rl.learner import BatchLearnerConfig, Learner, RolloutConfig
-except ImportError as missing:  # single-turn RL moving onto agentic.single_turn's learner
-    raise SystemExit(
-        "bench.rl_step measures nonstop.rl.learner.Learner (the batch learner), which this "
-        "checkout does not have; build the step from agentic.single_turn.PromptEpisodes and "
-        "agentic.streaming.StreamingLearner as nonstop/recipes/rl_recipe.py does, and time each "
-        "step from its on_step records") from missing
-
 TUNIX_VERSION = "0.1.7"
-MODES = {"staleness0": None,
-         "staleness1": "not implemented yet: single-turn RL has only the batch learner "
-                       "(staleness 0); the streaming learner exists for agentic RL only",
-         "staleness2": "not implemented yet: single-turn RL has only the batch learner "
-                       "(staleness 0); the streaming learner exists for agentic RL only"}
-STEP_SPAN = "bench/rl_step"
+MODES = {"staleness0": 0, "staleness1": 1, "staleness2": 2}
+STEP_END = "bench/step_end"  # a zero-length span at each learner step's end
 
 
 def token_tokenizer() -> Tokenizer:
@@ -96,22 +96,26 @@ def token_share(prompt: str, completion: str, example: Example) -> float:
 
 
 def examples() -> Any:
-    """Step s's 8 prompts, the ones bench/tunix_rl_step.py feeds Tunix at its step s."""
-    step = 0
-    while True:
+    """Group g's prompt: the (g % 8)-th of the 8 that bench/tunix_rl_step.py feeds Tunix at its
+    step g // 8."""
+    for step in itertools.count():
         for i, prompt in enumerate(prompts_of(step)):
             yield Example(prompt=prompt, answer="", id=f"{step}/{i}")
-        step += 1
 
 
 @dataclasses.dataclass
 class Setup:
-    learner: Learner
+    """One mode's learner, its trainer and engine, and the next group id to draw."""
+
+    staleness: int
+    learner: StreamingLearner
     trainer: PolicyTrainer
     engine: Engine
+    next_group: int = 0
+    last: list[Trajectory] = dataclasses.field(default_factory=list)  # the last step's episodes
 
 
-def build(args: argparse.Namespace) -> Setup:
+def build(args: argparse.Namespace, staleness: int) -> Setup:
     cfg = model_config("large")  # 4 layers, width 256, vocab 1024, tied, float32
     assert cfg.vocab_size == VOCAB
     model = init_decoder(cfg, seed=0)
@@ -121,22 +125,43 @@ def build(args: argparse.Namespace) -> Setup:
                                 weight_decay=0.0, max_grad_norm=None)
     trainer = PolicyTrainer(model, PolicyTrainerConfig(
         algorithm=RLAlgorithmConfig.grpo(), optimizer=optimizer, packing=packing, seed=0))
+    # Episodes in flight: a step's worth per version the rollouts may lead by.
+    concurrency = (staleness + 1) * NUM_PROMPTS * GROUP
     engine = Engine(trainer.model(), EngineConfig(
-        max_slots=NUM_PROMPTS * GROUP, max_len=PROMPT_TOKENS + NEW_TOKENS,
+        max_slots=concurrency, max_len=PROMPT_TOKENS + NEW_TOKENS,
         prefill_chunks=(PROMPT_TOKENS,), prefill_rows=args.prefill_rows,
         decode_steps_per_call=args.decode_steps))
-    rollout = RolloutConfig(group_size=GROUP, prompts_per_step=NUM_PROMPTS,
-                            max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0.9))
-    learner = Learner(trainer, engine, token_tokenizer(), examples(),
-                      Reward("token_share", token_share),
-                      BatchLearnerConfig(rollout=rollout, steps=10**9, max_sampling_rounds=0))
+    agent = AgentConfig(max_turns=1, max_tokens_per_turn=NEW_TOKENS,
+                        max_episode_tokens=NEW_TOKENS, step_timeout_s=None,
+                        sampling=SamplingParams(temperature=0.9))
+    config = StreamingLearnerConfig(
+        groups_per_step=NUM_PROMPTS, max_staleness=staleness,
+        orchestrator=OrchestratorConfig(group_size=GROUP, max_concurrency=concurrency, seed=0,
+                                        agent=agent))
+    episodes = PromptEpisodes(token_tokenizer(), ExampleStream(examples()),
+                              Reward("token_share", token_share))
+    setup = Setup(staleness, StreamingLearner(trainer, engine, episodes, config), trainer,
+                  engine)
+
+    async def on_step(record: StepRecord) -> None:
+        with perf.span(STEP_END, step=record.version):
+            pass
+
+    setup.learner.on_step = on_step
+    train = trainer.train
+
+    def keeping(trajectories: list[Trajectory]) -> dict[str, float]:
+        setup.last = list(trajectories)
+        return train(trajectories)
+
+    trainer.train = keeping
     wait_for_logprobs(trainer)
-    return Setup(learner, trainer, engine)
+    return setup
 
 
 def wait_for_logprobs(trainer: PolicyTrainer) -> None:
     """Make the trainer's log-prob pass wait for its result, so its device time lands in its own
-    span (`train/data_wait`) instead of in the optimizer step that would wait for it."""
+    span (`train/data_wait`, stage logprobs) instead of in the optimizer step that waits for it."""
     jitted = trainer._logprobs
 
     def waiting(*args: Any) -> jax.Array:
@@ -155,60 +180,70 @@ class CompileCounter:
             self.count += 1
 
 
-async def run_steps(learner: Learner, n: int) -> None:
-    for _ in range(n):
-        with perf.span(STEP_SPAN, step=learner.step):
-            await learner.train_step()
+def run_steps(setup: Setup, n: int) -> None:
+    """`n` learner steps on the next groups (one learner run: rollouts of the first step start
+    at its beginning, and those in flight at its end are dropped)."""
+    ids = itertools.count(setup.next_group)
+    asyncio.run(setup.learner.run(n, ids))
+    setup.next_group += (n + setup.staleness) * NUM_PROMPTS  # past every group it may have begun
 
 
-def step_parts(events_path: Path, first_step: int) -> list[dict[str, float]]:
-    """Per timed step (STEP_SPAN with step >= first_step): wall time and its parts, seconds."""
+def covered(spans: list[Any], a: int, b: int, name: str, stage: str | None = None, *,
+            free: bool = False) -> float:
+    """Seconds of [a, b] (ns) covered by `name` spans (with tag stage=`stage`; `free`: none)."""
+    cut = sorted((max(e.t0, a), min(e.t1, b)) for e in spans if e.name == name
+                 and e.t1 > a and e.t0 < b
+                 and (stage is None or e.tags.get("stage") == stage)
+                 and (not free or "stage" not in e.tags))
+    total, edge = 0, a
+    for t0, t1 in cut:
+        t0 = max(t0, edge)
+        if t1 > t0:
+            total, edge = total + t1 - t0, t1
+    return total / 1e9
+
+
+def step_parts(events_path: Path) -> list[dict[str, float]]:
+    """Per step after the run's first (between consecutive STEP_END marks): wall time and its
+    parts, seconds, each part the union of its spans clipped to the interval."""
     log = perf.read_events(str(events_path))
     spans = [e for e in log.events if e.ph == "X"]
-    steps = sorted((e for e in spans if e.name == STEP_SPAN and e.tags["step"] >= first_step),
-                   key=lambda e: e.t0)
+    ends = sorted(e.t1 for e in spans if e.name == STEP_END)
     rows = []
-    for s in steps:
-        inner = [e for e in spans if e.t0 >= s.t0 and e.t1 <= s.t1 and e is not s]
-
-        def total(name: str, stage: str | None = None, inner=inner) -> float:
-            return sum(e.duration_ns for e in inner if e.name == name
-                       and (stage is None or e.tags.get("stage") == stage)) / 1e9
-
-        row = {"step_s": s.duration_ns / 1e9,
-               "rollout": total(perf.ROLLOUT_QUEUE_WAIT, "collect"),
+    for a, b in itertools.pairwise(ends):
+        total = functools.partial(covered, spans, a, b)
+        row = {"step_s": (b - a) / 1e9,
+               "rollout": total(perf.TRAIN_DATA_WAIT, free=True),
                "reward": total(perf.ROLLOUT_REWARD),
                "reference": total(perf.TRAIN_DATA_WAIT, "logprobs"),
-               "old_logprobs": 0.0,  # the batch learner runs none at inner_epochs=1 (needs_old)
+               "old_logprobs": 0.0,  # none at inner_epochs=1 (PolicyTrainer.needs_old)
                "train": total(perf.TRAIN_STEP),
                "weight_sync": total(perf.TRAIN_WEIGHT_SYNC),
-               "trainer_busy": total(perf.TRAINER_BUSY),
                "engine_busy": total(perf.ENGINE_BUSY)}
-        row["other"] = row["step_s"] - sum(row[k] for k in (*PARTS, "reward"))
+        row["other"] = row["step_s"] - sum(row[k] for k in PARTS)
         rows.append(row)
     return rows
 
 
 def nonstop_repeat(setup: Setup, steps: int, compiles: CompileCounter,
                    workdir: Path) -> dict[str, Any]:
-    first = setup.learner.step
     before = compiles.count
     with perf.run(workdir), gc_heap_frozen():  # as `nonstop rl` runs its learner
-        asyncio.run(run_steps(setup.learner, steps))
+        run_steps(setup, steps + 1)  # the first step's end starts the first timed interval
     after = compiles.count - before
-    rows = step_parts(workdir / "events.jsonl", first)
+    rows = step_parts(workdir / "events.jsonl")
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    return summary("nonstop", med, [r["step_s"] for r in rows], after)
+    rewards = [r.reward_mean for r in setup.learner.records]
+    return {**summary(f"nonstop/s{setup.staleness}", med, [r["step_s"] for r in rows], after),
+            "reward_last": rewards[-1]}
 
 
 def summary(system: str, med: dict[str, float], steps_s: list[float],
             compiles: int) -> dict[str, Any]:
     generated = NUM_PROMPTS * GROUP * NEW_TOKENS
-    out = {"system": system, **{f"{k}_s": v for k, v in med.items() if k != "step_s"},
-           "step_s": med["step_s"], "tokens_per_s": generated / med["step_s"],
-           "rollout_tokens_per_s": generated / med["rollout"] if med["rollout"] else None,
-           "compiles_after_warmup": compiles, "steps_s": steps_s}
-    return out
+    return {"system": system, **{f"{k}_s": v for k, v in med.items() if k != "step_s"},
+            "step_s": med["step_s"], "tokens_per_s": generated / med["step_s"],
+            "compiles_after_warmup": compiles, "steps_s": steps_s}
 
 
 def tunix_repeat(python: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -235,18 +270,17 @@ def make_tunix_env(directory: Path) -> str:
 
 
 def profile(setup: Setup, directory: Path) -> dict[str, Any]:
-    """Where one more step's time goes: a jax.profiler trace of it, then the step's parts timed
-    in isolation on its own trajectories."""
-    learner, trainer = setup.learner, setup.trainer
+    """Where one more staleness-0 step's time goes: a jax.profiler trace of it, then the step's
+    parts timed in isolation on its own trajectories."""
+    trainer = setup.trainer
     out: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with jax.profiler.trace(str(directory / "jax_trace")):
-            asyncio.run(run_steps(learner, 1))
-        groups, _ = asyncio.run(learner.collect(learner.step))
+            run_steps(setup, 1)
     out["jax_trace"] = str(directory / "jax_trace")
     out["donation_warnings"] = sum("donated" in str(w.message) for w in caught)
-    episodes = [t for g in groups for t in g]
+    episodes = setup.last
 
     t = time.perf_counter()
     packed = trainer.pack(episodes)
@@ -275,8 +309,8 @@ def profile(setup: Setup, directory: Path) -> dict[str, Any]:
         timings["host_to_device_s"].append(time.perf_counter() - t)
     out.update({k: statistics.median(v) for k, v in timings.items()})
 
-    # At staleness 0 the engine's behaviour log-probs are the current policy's: compare them with
-    # the trainer's own pass on the same tokens (what an "old" log-prob pass would recompute).
+    # The engine's behaviour log-probs against the trainer's own pass on the same tokens (the
+    # trainer has taken one step since they were sampled: the gap includes that update).
     mask = np.asarray(packed[0].batch.loss_mask)
     behaviour = np.asarray(packed[0].batch.behavior_logprobs)[mask]
     out["behaviour_vs_current_max_abs"] = float(np.abs(behaviour - np.asarray(cur)[mask]).max())
@@ -296,9 +330,8 @@ def profile(setup: Setup, directory: Path) -> dict[str, Any]:
     trainer.train(episodes)
     out["trainer_train_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    learner.sync_weights()
+    setup.engine.update_weights(trainer.policy_params(), setup.engine.policy_version + 1)
     out["weight_sync_s"] = time.perf_counter() - t
-
     return out
 
 
@@ -312,18 +345,20 @@ def ratio(a: float | None, b: float | None) -> str:
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ("step_s", "rollout_s", "reward_s", "reference_s", "old_logprobs_s", "train_s",
             "weight_sync_s", "other_s")
-    print(f"{'system':8} {'step':>7} {'rollout':>7} {'reward':>7} {'ref':>7} {'old':>7} "
+    print(f"{'system':12} {'step':>7} {'wait':>7} {'reward':>7} {'ref':>7} {'old':>7} "
           f"{'train':>7} {'sync':>7} {'other':>7} {'tok/s':>7} {'compiles':>8}")
     for r in rows:
         cells = " ".join(f"{r[c]:7.3f}" if r.get(c) is not None else f"{'-':>7}" for c in cols)
-        print(f"{r['system']:8} {cells} {r['tokens_per_s']:7.0f} "
+        print(f"{r['system']:12} {cells} {r['tokens_per_s']:7.0f} "
               f"{r['compiles_after_warmup']:8d}")
     by = {r["system"]: r for r in rows}
     if "tunix" in by:
-        n, t = by["nonstop"], by["tunix"]
-        print("nonstop/tunix time: " + "  ".join(
-            f"{c.removesuffix('_s')} {ratio(n.get(c), t.get(c)).strip()}"
-            for c in ("step_s", "rollout_s", "reference_s", "train_s")))
+        t = by["tunix"]
+        for name, n in by.items():
+            if name != "tunix":
+                print(f"{name}/tunix time: " + "  ".join(
+                    f"{c.removesuffix('_s')} {ratio(n.get(c), t.get(c)).strip()}"
+                    for c in ("step_s", "rollout_s", "reference_s", "train_s")))
 
 
 def main() -> None:
@@ -334,14 +369,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (10)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (3)")
     parser.add_argument("--repeats", type=int, default=None, help="repetitions (3)")
-    parser.add_argument("--modes", nargs="+", default=["staleness0"], choices=list(MODES),
-                        help="staleness0: the batch learner; 1 and 2 are not implemented yet")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                        help="the learner's max_staleness (default: all three)")
     parser.add_argument("--tunix-python", default=None,
                         help="a Python with google-tunix installed; runs Tunix side by side")
     parser.add_argument("--make-tunix-env", type=Path, default=None, metavar="DIR",
                         help=f"create a venv in DIR with google-tunix=={TUNIX_VERSION} and use it")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="profile one more nonstop step (jax trace and breakdown) into DIR")
+                        help="profile one more staleness-0 step (jax trace and breakdown) into DIR")
     parser.add_argument("--buckets", type=int, nargs="+", default=[144],
                         help="packing buckets (144: two 72-token episodes per row)")
     parser.add_argument("--rows", type=int, default=16, help="packed rows per batch")
@@ -352,62 +387,57 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 10)
     warmup = args.warmup or (2 if args.quick else 3)
     repeats = args.repeats or (1 if args.quick else 3)
-    for mode in args.modes:
-        if MODES[mode] is not None:
-            print(f"mode {mode}: {MODES[mode]}")
-    if "staleness0" not in args.modes:
-        sys.exit("no implemented mode requested (only staleness0 is)")
     tunix_python = args.tunix_python
     if args.make_tunix_env is not None:
         tunix_python = make_tunix_env(args.make_tunix_env)
 
     compiles = CompileCounter()
-    t = time.perf_counter()
-    setup = build(args)
-    setup.engine.start()
+    setups: dict[str, Setup] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with perf.run(Path(tmp) / "warmup"), gc_heap_frozen():
-            asyncio.run(run_steps(setup.learner, warmup))
-        print(f"nonstop: built and warmed up ({warmup} steps) in {time.perf_counter() - t:.1f}s;"
-              f" {jax.default_backend()}, {steps} timed steps x {repeats} repetitions; packing "
-              f"buckets={args.buckets} rows={args.rows}; engine slots={NUM_PROMPTS * GROUP} "
-              f"prefill_rows={args.prefill_rows} decode_steps={args.decode_steps}")
-        reps: dict[str, list[dict[str, Any]]] = {"nonstop": [], "tunix": []}
+        for mode in args.modes:
+            t = time.perf_counter()
+            setup = setups[mode] = build(args, MODES[mode])
+            setup.engine.start()
+            with perf.run(Path(tmp) / f"warmup-{mode}"), gc_heap_frozen():
+                run_steps(setup, warmup)
+            print(f"nonstop {mode}: built and warmed up ({warmup} steps) in "
+                  f"{time.perf_counter() - t:.1f}s; engine slots {setup.engine.config.max_slots}")
+        print(f"{jax.default_backend()}, {steps} timed steps x {repeats} repetitions; packing "
+              f"buckets={args.buckets} rows={args.rows}; prefill_rows={args.prefill_rows} "
+              f"decode_steps={args.decode_steps}")
+        reps: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for r in range(repeats):
-            order = ["nonstop", "tunix"] if r % 2 == 0 else ["tunix", "nonstop"]
-            for system in order:
-                if system == "nonstop":
-                    reps[system].append(nonstop_repeat(setup, steps, compiles,
-                                                       Path(tmp) / f"rep{r}"))
-                elif tunix_python:
-                    reps[system].append(tunix_repeat(tunix_python, steps, warmup))
+            systems = [*args.modes, "tunix"] if tunix_python else list(args.modes)
+            for system in systems if r % 2 == 0 else systems[::-1]:
+                if system == "tunix":
+                    result = tunix_repeat(tunix_python, steps, warmup)
                 else:
-                    continue
-                last = reps[system][-1]
-                print(f"  repetition {r + 1} {system}: step {last['step_s']:.3f}s")
+                    result = nonstop_repeat(setups[system], steps, compiles,
+                                            Path(tmp) / f"rep{r}-{system}")
+                reps[result["system"]].append(result)
+                print(f"  repetition {r + 1} {result['system']}: step {result['step_s']:.3f}s")
         rows = []
         for system, results in reps.items():
-            if not results:
-                continue
             keys = [k for k, v in results[0].items() if isinstance(v, float)]
             row = {k: statistics.median(x[k] for x in results if x.get(k) is not None)
                    for k in keys}
             row.update(system=system, repeats=len(results),
                        compiles_after_warmup=sum(x["compiles_after_warmup"] for x in results),
-                       step_s_per_repeat=[x["step_s"] for x in results],
-                       mode="staleness0", steps=steps, warmup=warmup)
+                       step_s_per_repeat=[x["step_s"] for x in results], steps=steps,
+                       warmup=warmup)
             if system == "tunix":
                 row.update(version=results[0]["version"], jax=results[0]["jax"],
                            weight_sync_calls=results[0]["weight_sync_calls"])
             rows.append(row)
         print_table(rows)
-        if args.profile is not None:
+        if args.profile is not None and "staleness0" in setups:
             args.profile.mkdir(parents=True, exist_ok=True)
             with perf.run(args.profile / "perf"):
-                report = profile(setup, args.profile)
+                report = profile(setups["staleness0"], args.profile)
             print("profile: " + json.dumps(report, indent=1))
             rows[0]["profile"] = report
-    setup.engine.stop()
+    for setup in setups.values():
+        setup.engine.stop()
     if args.out is not None:
         with args.out.open("a") as f:
             for row in rows:

@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,6 +56,28 @@ def process_group_ids(groups_per_step: int, processes: int, rank: int, *, first_
     for step in itertools.count(first_step):
         start = step * groups_per_step + rank * share
         yield from range(start, start + share)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCursor:
+    """Where a learner stands in its group ids, for checkpoints: `pending` were drawn but
+    neither trained nor dropped (in flight, or ready and untaken: a resumed run regenerates
+    them first, from their prompts and seeds), `next` is one past the highest id drawn."""
+
+    pending: tuple[int, ...] = ()
+    next: int = 0
+
+    def group_ids(self, continuation: Iterator[int] | None = None) -> Iterator[int]:
+        """The resumed run's ids: `pending`, then `continuation` (default next, next + 1, ...)."""
+        return itertools.chain(self.pending, continuation if continuation is not None
+                               else itertools.count(self.next))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pending": list(self.pending), "next": self.next}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GroupCursor:
+        return cls(tuple(int(g) for g in data.get("pending", ())), int(data["next"]))
 
 
 class StalenessGate:
@@ -151,9 +174,14 @@ class StepRecord:
     sync_s: float
     published: int | None  # the version pushed to the engine after this step, if any
     completion_tokens: float = 0.0  # mean tokens sampled per episode
+    # This process's episodes of the step: how each ended (Agent's status: done, max_turns,
+    # context_full, ...) and the share solved (reward >= SOLVED_REWARD).
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
+    solved: float = 0.0
 
 
 StepHook = Callable[[StepRecord], Awaitable[None]]
+SOLVED_REWARD = 1.0  # an episode scoring at least this solved its task (built-in envs score 0/1)
 
 
 class _Learner:
@@ -186,6 +214,17 @@ class _Learner:
         self.records: list[StepRecord] = []
         self.queue: GroupQueue | None = None
         self.orchestrator: RolloutOrchestrator | None = None
+        self._unsettled: dict[int, None] = {}  # drawn ids not yet trained or dropped, in order
+        self._next_id = 0
+
+    @property
+    def cursor(self) -> GroupCursor:
+        """The group ids to resume from (see `GroupCursor`); exact between steps."""
+        return GroupCursor(tuple(sorted(self._unsettled)), self._next_id)
+
+    def _settle(self, group_ids: Iterable[int]) -> None:
+        for gid in group_ids:
+            self._unsettled.pop(gid, None)
 
     def _new_queue(self, on_drop: Callable[[int, str], None] | None = None) -> GroupQueue:
         return GroupQueue(self.config.queue_config(self.trainer.algorithm), on_drop=on_drop)
@@ -227,8 +266,14 @@ class _Learner:
                             reward_mean=float(reward_sum / max(count, 1)),
                             data_wait_s=data_wait_s, train_s=train_s, sync_s=sync_s,
                             published=published,
-                            completion_tokens=float(token_sum / max(count, 1)))
+                            completion_tokens=float(token_sum / max(count, 1)),
+                            outcomes=dict(collections.Counter(
+                                str(t.info.get("status", "done")) for t in trajectories)),
+                            solved=float(np.mean([(t.reward or 0.0) >= SOLVED_REWARD
+                                                  for t in trajectories]))
+                            if trajectories else 0.0)
         self.records.append(record)
+        self._settle(record.group_ids)
         return record
 
     def _penalise_kl(self, groups: list[ScoredGroup]) -> float:
@@ -254,9 +299,12 @@ class _Learner:
         self.engine.update_weights(params, version)
 
     def _group_ids(self, group_ids: Iterable[int] | None) -> Iterator[int]:
-        if group_ids is not None:
-            return iter(group_ids)
-        return process_group_ids(self.global_config.groups_per_step, self.processes, self.rank)
+        ids = iter(group_ids) if group_ids is not None else process_group_ids(
+            self.global_config.groups_per_step, self.processes, self.rank)
+        for gid in ids:  # recorded as drawn before anyone starts it
+            self._unsettled[gid] = None
+            self._next_id = max(self._next_id, gid + 1)
+            yield gid
 
     def _start_run(self) -> None:
         self._base = self.version
@@ -294,7 +342,11 @@ class StreamingLearner(_Learner):
         gate = StalenessGate(groups_per_step=cfg.groups_per_step,
                              max_staleness=cfg.max_staleness, version=self.version)
         self.gate = gate
-        queue = self.queue = self._new_queue(on_drop=gate.release)
+        def dropped(group_id: int, reason: str) -> None:
+            self._settle([group_id])
+            gate.release(group_id, reason)
+
+        queue = self.queue = self._new_queue(on_drop=dropped)
         orchestrator = self.orchestrator = RolloutOrchestrator(
             self.engine, self.make_interaction, cfg.orchestrator, queue=queue, admission=gate)
         ids = self._group_ids(group_ids)
@@ -350,7 +402,7 @@ class SyncLearner(_Learner):
                   ) -> list[StepRecord]:
         self._start_run()
         cfg = self.config
-        queue = self.queue = self._new_queue()
+        queue = self.queue = self._new_queue(on_drop=lambda gid, reason: self._settle([gid]))
         orchestrator = self.orchestrator = RolloutOrchestrator(
             self.engine, self.make_interaction, cfg.orchestrator, queue=queue)
         ids = self._group_ids(group_ids)

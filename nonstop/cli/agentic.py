@@ -6,12 +6,17 @@ the shipped configs (the agentic_* ones run here); `--config` takes one's name o
     nonstop agentic --config agentic_calculator_tiny
     nonstop agentic --config agentic_calculator_qwen3_0_6b model.path=/ckpt/Qwen3-0.6B
 
-A bad file, key or value stops with a one-line message naming it (exit status 2).
+A bad file, key or value stops with a one-line message naming it (exit status 2). The run
+checkpoints every `checkpoint.save_every` steps, at the end and on SIGTERM (then it exits with
+status 143); running the same command again, or `nonstop agentic --resume RUN_DIR`, continues
+from the latest checkpoint. Per-step metrics go to RUN_DIR/metrics.jsonl and TensorBoard as
+each step ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from nonstop.cli.config_command import (
     add_config_command,
@@ -21,6 +26,7 @@ from nonstop.cli.config_command import (
     report_error,
 )
 
+STOPPED_EXIT = 128 + 15  # stopped by SIGTERM, checkpoint written
 COMMAND = "nonstop agentic"
 
 
@@ -28,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return add_config_command(subparsers, "agentic", help="agentic RL with tools and async "
                               "rollouts", description=__doc__,
                               config_class="nonstop.recipes.agentic_recipe:AgenticRunConfig",
-                              run=run)
+                              run=run, resume=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,11 +46,15 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         return print_config(cfg)
     from nonstop.agentic import NoSamplesError
+    from nonstop.recipes.learner_state import RunStopped
 
     try:
         s = run_agentic(cfg)
     except (*bad_input_errors(), NoSamplesError) as error:
         return report_error(COMMAND, error)
+    except RunStopped as stopped:
+        print(f"{COMMAND}: {stopped}", file=sys.stderr)
+        return STOPPED_EXIT
     print(f"solve rate: {s['solve_rate_before']:.1%} before, {s['solve_rate_after']:.1%} after "
           f"{s['steps']} steps ({s['seconds']:.0f}s); run dir {s['run_dir']}; "
           f"explain the time: nonstop report {s['run_dir']}/perf")

@@ -112,9 +112,10 @@ def resolve_config(value: str | None) -> str | None:
 
 def add_config_command(subparsers: argparse._SubParsersAction, name: str, *, help: str,
                        description: str, config_class: str,
-                       run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+                       run: Callable[[argparse.Namespace], int],
+                       resume: bool = False) -> argparse.ArgumentParser:
     """Register subcommand `name` driven by `config_class` ("module:Class", imported only when
-    `--help` lists its keys or `run` loads it)."""
+    `--help` lists its keys or `run` loads it); `resume`: with `--resume RUN_DIR`."""
     class_name = config_class.rpartition(":")[2]
     parser = subparsers.add_parser(name, help=help, description=description,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,6 +125,11 @@ def add_config_command(subparsers: argparse._SubParsersAction, name: str, *, hel
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (file, then overrides) as YAML and exit "
                              "without building anything")
+    if resume:
+        parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+                            help="continue the run in RUN_DIR from its latest checkpoint, with "
+                                 "the config it recorded (RUN_DIR/config.yaml) and any overrides;"
+                                 " the same as rerunning its command")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="dotted overrides applied after the file, values parsed as YAML")
     parser.set_defaults(run=run)
@@ -183,10 +189,20 @@ def load_or_report(cls: type, args: argparse.Namespace, prog: str, *,
     from nonstop.recipes.config_io import load_config
 
     try:
-        path = resolve_config(args.config)
+        path, overrides = resolve_config(args.config), list(args.overrides)
+        run_dir = getattr(args, "resume", None)
+        if run_dir is not None:
+            if args.config is not None:
+                raise ValueError("--resume RUN_DIR takes the config the run recorded: drop "
+                                 "--config (overrides still apply)")
+            recorded = Path(run_dir) / "config.yaml"
+            if not recorded.is_file():
+                raise ValueError(f"--resume {run_dir}: no {recorded} (not a run directory; "
+                                 "give the run_dir of an earlier run)")
+            path, overrides = str(recorded), [f"run_dir={run_dir}", *overrides]
         if load is None:
-            return load_config(cls, path, list(args.overrides))
-        return load(path, list(args.overrides))
+            return load_config(cls, path, overrides)
+        return load(path, overrides)
     except (ConfigError, ValueError, OSError) as error:
         report_error(prog, error)
         return None

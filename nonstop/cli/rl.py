@@ -16,6 +16,7 @@ key or value stops with a one-line message naming it (exit status 2).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from nonstop.cli.config_command import (
     add_config_command,
@@ -25,16 +26,19 @@ from nonstop.cli.config_command import (
     report_error,
 )
 
+STOPPED_EXIT = 128 + 15  # stopped by SIGTERM, checkpoint written
 COMMAND = "nonstop rl"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return add_config_command(subparsers, "rl", help="RL on prompts (PPO, GRPO, Dr.GRPO, DAPO, "
                               "GSPO, RLOO)", description=__doc__,
-                              config_class="nonstop.recipes.rl_recipe:RLRunConfig", run=run)
+                              config_class="nonstop.recipes.rl_recipe:RLRunConfig", run=run,
+                              resume=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    from nonstop.recipes.learner_state import RunStopped
     from nonstop.recipes.rl_recipe import RLRunConfig, run_rl
 
     cfg = load_or_report(RLRunConfig, args, COMMAND)
@@ -46,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         summary = run_rl(cfg)
     except bad_input_errors() as error:
         return report_error(COMMAND, error)
+    except RunStopped as stopped:
+        print(f"{COMMAND}: {stopped}", file=sys.stderr)
+        return STOPPED_EXIT
     print(f"eval reward: {summary['eval_before']:.3f} before RL, {summary['eval_after']:.3f} "
           f"after {cfg.steps} {cfg.algorithm} steps ({summary['seconds']:.0f}s); "
           f"run dir {summary['run_dir']}")

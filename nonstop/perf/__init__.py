@@ -50,6 +50,7 @@ from nonstop.perf.report import (
 from nonstop.perf.scalars import read_metrics
 from nonstop.perf.spans import (
     Span,
+    busy_seconds,
     count,
     current_span_id,
     device_busy,
@@ -161,6 +162,7 @@ __all__ = [
     "current",
     "current_span_id",
     "device_busy",
+    "busy_seconds",
     "device_busy_interval",
     "finish_run",
     "gauge",

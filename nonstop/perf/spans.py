@@ -175,6 +175,13 @@ def device_busy(role: str, /, **tags: Any) -> Span:
 
 
 _DEVICE_TRACK_KEY = 1  # a task key no asyncio task has (those are object ids)
+_busy_ns: dict[str, int] = {}  # role -> busy nanoseconds recorded by device_busy_interval
+
+
+def busy_seconds(role: str, /) -> float:
+    """Seconds of `role`'s device busy intervals recorded so far in this process (a running
+    total: difference two readings for an interval's busy time)."""
+    return _busy_ns.get(role, 0) / 1e9
 
 
 def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) -> None:
@@ -187,6 +194,7 @@ def device_busy_interval(role: str, start_ns: int, end_ns: int, /, **tags: Any) 
     rec = STATE.recorder
     if not rec.enabled or end_ns <= start_ns:
         return
+    _busy_ns[role] = _busy_ns.get(role, 0) + end_ns - start_ns
     name = _busy_names.get(role)
     if name is None:
         name = _busy_names.setdefault(role, stages.device_busy_name(role))

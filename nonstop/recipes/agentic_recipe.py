@@ -14,13 +14,14 @@ after training.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
 import importlib.util
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,14 @@ from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.ray_backend import RayEnvConfig, RayEnvironmentPool, import_ray, init_ray
-from nonstop.agentic.streaming import StepRecord, StreamingLearner, SyncLearner
+from nonstop.agentic.streaming import (
+    SOLVED_REWARD,
+    GroupCursor,
+    StepRecord,
+    StreamingLearner,
+    SyncLearner,
+    process_group_ids,
+)
 from nonstop.agentic.trajectory_builder import ChatInteraction
 from nonstop.engine import Engine, EngineConfig, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig
@@ -46,21 +54,32 @@ from nonstop.models.chat_templates import ChatFormat
 from nonstop.models.checkpoint import save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
-from nonstop.models.validation import check
+from nonstop.models.validation import check, check_int
 from nonstop.perf import busy_fraction, read_events
+from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.custom_env import check_custom_env, make_custom_env, uses_custom_env
+from nonstop.recipes.learner_state import LearnerCheckpoints, RunStopped, TerminationGuard
 from nonstop.recipes.rl_recipe import AlgorithmName, multi_host_mesh
 from nonstop.recipes.run import start_run
 from nonstop.recipes.tasks.custom import TaskSource
 from nonstop.rl.config import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
-from nonstop.train import OptimizerConfig, PackingConfig, distributed
+from nonstop.train import (
+    CheckpointConfig,
+    MetricsConfig,
+    MetricsWriter,
+    OptimizerConfig,
+    PackingConfig,
+    distributed,
+)
+from nonstop.train.metrics import truncate_jsonl
 
 EnvName = Literal["calculator", "gridworld"]
 EnvBackend = Literal["local", "ray"]
 EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from seeds training never draws
-RL_PHASE = "main/agentic_rl"
-FINAL_MODEL_DIR = "final_model"  # the trained policy, RUN_DIR/final_model  # the span around the learner's run, for figures over RL alone
+RL_PHASE = "main/agentic_rl"  # the span around the learner's run, for figures over RL alone
+GROUPS_LOG = "groups.jsonl"  # the group ids each learner step trained
+FINAL_MODEL_DIR = "final_model"  # the trained policy, RUN_DIR/final_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,8 +134,22 @@ class AgenticRunConfig:
     packing: PackingConfig = PackingConfig(buckets=(320, 512, 1024), rows_per_batch=16,
                                            max_segments_per_row=4, overlong="truncate")
     engine: EngineConfig = EngineConfig(max_slots=64, max_len=512)
+    # Held-out evaluation every `eval_every` steps (0: before and after training only): the
+    # greedy solve rate and, with `pass_k`, pass@k (k samples per task at the training
+    # temperature; a task passes when one of them solves it).
+    eval_every: int = 0
+    pass_k: int = 0
+    # Checkpoints of the learner (policy, optimizer, critic, group cursor) every
+    # `checkpoint.save_every` steps, at the end and on SIGTERM; running the same command on the
+    # same run_dir resumes from the latest.
+    checkpoint: CheckpointConfig = CheckpointConfig(save_every=10, keep_last=2)
+    # Per-step metrics: RUN_DIR/metrics.jsonl and TensorBoard as each step ends; W&B with
+    # metrics.wandb=true.
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self) -> None:
+        check_int("AgenticRunConfig", "eval_every", self.eval_every, low=0)
+        check_int("AgenticRunConfig", "pass_k", self.pass_k, low=0)
         self.algorithm_config()  # validates the algorithm's settings up front
         self.learner_config(self.agent)  # and the learner's (staleness, sync cadence)
 
@@ -210,36 +243,66 @@ def check_prompts_fit(cfg: AgenticRunConfig, tokenizer: Tokenizer) -> None:
               f"room for the answer (e.g. {key}={length + cfg.agent.max_episode_tokens})")
 
 
-async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
-                     new_env: Callable[[], Environment] | None = None) -> float:
-    """Mean reward of greedy episodes on held-out tasks (with several processes, each runs a
-    block of the tasks on its own engine and the mean is over all of them)."""
+async def held_out_rewards(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+                           new_env: Callable[[], Environment] | None = None, *,
+                           samples: int = 1, greedy: bool = True, step: int | None = None
+                           ) -> list[list[float]]:
+    """Rewards of `samples` episodes on each of this process's held-out tasks (with several
+    processes, each runs a block of the `num_eval` tasks on its own engine): greedy, or at the
+    training sampling with seeds fixed per (task, sample), so evaluations are comparable."""
     orchestrator = RolloutOrchestrator(
         engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET, new_env),
-        OrchestratorConfig(group_size=1, max_concurrency=cfg.max_concurrency,
-                           agent=agent_config(cfg, tokenizer, greedy=True)))
+        OrchestratorConfig(group_size=samples, max_concurrency=cfg.max_concurrency,
+                           seed=cfg.seed + EVAL_SEED_OFFSET,
+                           agent=agent_config(cfg, tokenizer, greedy=greedy)))
     tasks = np.array_split(np.arange(cfg.num_eval), jax.process_count())[jax.process_index()]
-    with perf.span(perf.TRAIN_EVAL):
+    with perf.span(perf.TRAIN_EVAL, step=step):
         groups = await orchestrator.run_groups([int(i) for i in tasks])
     await orchestrator.close()
-    rewards = [t.reward or 0.0 for g in groups.values() for t in g]
+    return [[t.reward or 0.0 for t in groups[int(i)]] for i in tasks if int(i) in groups]
+
+
+async def _over_tasks(values: list[float], cfg: AgenticRunConfig) -> float:
+    """The mean of per-task `values` over every process's tasks."""
     if jax.process_count() > 1:  # a collective: off the event loop
-        total = await asyncio.to_thread(distributed.sum_over_processes, [sum(rewards)])
+        total = await asyncio.to_thread(distributed.sum_over_processes, [sum(values)])
         return float(total[0] / cfg.num_eval)
-    return float(np.mean(rewards))
+    return float(np.mean(values)) if values else 0.0
+
+
+async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+                     new_env: Callable[[], Environment] | None = None, *,
+                     step: int | None = None) -> float:
+    """Mean reward of greedy episodes on the held-out tasks."""
+    rewards = await held_out_rewards(engine, cfg, tokenizer, new_env, step=step)
+    return await _over_tasks([r[0] for r in rewards], cfg)
+
+
+async def evaluate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+                   new_env: Callable[[], Environment] | None = None, *,
+                   step: int | None = None) -> dict[str, float]:
+    """`solve_rate` (greedy) and, with `cfg.pass_k`, `pass@k` on the held-out tasks."""
+    out = {"solve_rate": await solve_rate(engine, cfg, tokenizer, new_env, step=step)}
+    if cfg.pass_k:
+        rewards = await held_out_rewards(engine, cfg, tokenizer, new_env, samples=cfg.pass_k,
+                                         greedy=False, step=step)
+        passed = [float(max(r) >= SOLVED_REWARD) for r in rewards]
+        out[f"pass@{cfg.pass_k}"] = await _over_tasks(passed, cfg)
+    return out
 
 
 async def train_with_progress(learner: StreamingLearner | SyncLearner, steps: int,
-                              show: bool) -> list[StepRecord]:
+                              show: bool, group_ids: Iterator[int] | None = None,
+                              first_step: int = 0) -> list[StepRecord]:
     """Run the learner with a progress bar fed from its step records."""
-    run = asyncio.create_task(learner.run(steps))
-    with tqdm(total=steps, desc=f"agentic {type(learner).__name__}", unit="step",
-              disable=not show) as bar:
+    run = asyncio.create_task(learner.run(steps, group_ids))
+    with tqdm(total=first_step + steps, initial=first_step, unit="step", disable=not show,
+              desc=f"agentic {type(learner).__name__}") as bar:
         while not run.done():
             await asyncio.wait({run}, timeout=0.5)
             records = learner.records
-            if len(records) > bar.n:
-                bar.update(len(records) - bar.n)
+            if first_step + len(records) > bar.n:
+                bar.update(first_step + len(records) - bar.n)
                 bar.set_postfix(reward=f"{records[-1].reward_mean:.2f}",
                                 staleness=max(records[-1].staleness, default=0))
     return run.result()
@@ -255,10 +318,13 @@ def engine_busy_during(perf_dir: str | Path, phase: str = RL_PHASE) -> float | N
 
 
 def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> dict[str, Any]:
-    """Train; `model` (optional) replaces the configured one (e.g. an SFT-warmed model).
+    """Train; `model` (optional) replaces the configured one (e.g. an SFT-warmed model; a
+    resumed run must be given the same one: it is the KL reference).
 
-    Records into `RUN_DIR/perf` unless a perf run is already active (then the caller owns it and
-    `engine_busy_fraction` is None: compute it with `engine_busy_during` once that run ends).
+    Resumes from RUN_DIR's latest checkpoint if there is one. Records into `RUN_DIR/perf` unless
+    a perf run is already active (then the caller owns it and `engine_busy_fraction` is None:
+    compute it with `engine_busy_during` once that run ends). Raises `RunStopped` after a
+    SIGTERM, once the checkpoint is written.
     """
     # Under `jax.distributed` every process runs this with its own engine and environments on
     # its share of each step's groups; the trainer steps on the global batch.
@@ -270,7 +336,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     owns_perf = perf.active_run_dir() is None
     processes = jax.process_count()
     with perf.run(run.own / "perf") if owns_perf else contextlib.nullcontext():
-        # 2. The policy and its trainer.
+        # 2. The policy, its trainer and the checkpoint to resume from.
         model = model if model is not None else build_model(cfg.model, tokenizer, seed=cfg.seed)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
@@ -279,26 +345,49 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             critic_optimizer=cfg.critic_optimizer, packing=cfg.packing,
             lora_only=cfg.lora is not None, seed=cfg.seed),
             mesh=multi_host_mesh(PlacementConfig()) if processes > 1 else None)
+        checkpoints = LearnerCheckpoints.open(cfg.checkpoint, run, trainer.critic is not None)
+        resumed = checkpoints.restore(trainer, run)
+        start = resumed.step if resumed is not None else 0
+        writer = MetricsWriter(run.own, dataclasses.replace(cfg.metrics, progress_bar=False),
+                               resume_step=start if resumed is not None else None,
+                               run_config=dump_config(cfg))
         # 3. The engine and the environments: evaluate, train with the learner, evaluate.
         # Several processes: each host's engine holds a local copy of the initial model (the
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, cfg.engine,
-                    tokenizer=tokenizer) as engine, env_backend(cfg.env) as new_env:
-            before = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
+        with Engine(engine_model, cfg.engine, tokenizer=tokenizer, policy_version=start
+                    ) as engine, env_backend(cfg.env) as new_env, TerminationGuard() as guard:
+            if processes > 1 and start:
+                engine.update_weights(distributed.fetch(trainer.policy_params()), start)
+            if resumed is not None and "eval_before" in resumed.data:
+                before = dict(resumed.data["eval_before"])  # the first run's starting figures
+            else:
+                before = asyncio.run(evaluate(engine, cfg, tokenizer, new_env, step=start))
             learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
             learner = learner_cls(trainer, engine,
                                   interaction_factory(cfg, tokenizer, cfg.seed, new_env),
                                   cfg.learner_config(agent_config(cfg, tokenizer)))
+            log = StepLog(cfg, learner, writer, checkpoints, guard, before,
+                          functools.partial(evaluate, engine, cfg, tokenizer, new_env))
+            learner.on_step = log
+            cursor = resumed.cursor if resumed is not None else GroupCursor()
+            group_ids = resumed_group_ids(cursor, cfg.groups_per_step)
             rl_started = time.perf_counter()
             with perf.span(RL_PHASE), gc_heap_frozen():
-                records = asyncio.run(train_with_progress(learner, cfg.steps, progress))
+                records = asyncio.run(train_with_progress(learner, cfg.steps - start, progress,
+                                                          group_ids, start))
             rl_seconds = time.perf_counter() - rl_started
-            after = asyncio.run(solve_rate(engine, cfg, tokenizer, new_env))
-        # 4. The trained policy and the per-step metrics.
+            if log.last_eval is not None and log.last_eval[0] == cfg.steps:
+                after = log.last_eval[1]
+            else:  # no step ran (resumed at the end)
+                after = asyncio.run(evaluate(engine, cfg, tokenizer, new_env, step=cfg.steps))
+        checkpoints.close()
+        writer.close()
+        # 4. The trained policy.
         final_dir = save_final_model(trainer, model, run.root / FINAL_MODEL_DIR)
-    write_step_metrics(run.own / "metrics.jsonl", records)
-    return {"solve_rate_before": before, "solve_rate_after": after, "steps": len(records),
+    return {"solve_rate_before": before["solve_rate"], "solve_rate_after": after["solve_rate"],
+            "eval_before": before, "eval_after": after, "steps": start + len(records),
+            "resumed_from": start if resumed is not None else None,
             "train_reward_first": records[0].reward_mean if records else None,
             "train_reward_last": records[-1].reward_mean if records else None,
             "engine_busy_fraction": engine_busy_during(run.own / "perf") if owns_perf else None,
@@ -306,14 +395,87 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             "run_dir": str(run.root), "final_model": str(final_dir)}
 
 
-def write_step_metrics(path: Path, records: list[StepRecord]) -> None:
-    """One JSON line per learner step."""
-    with path.open("a") as f:
-        for r in records:
-            f.write(json.dumps({"step": r.version + 1, "reward_mean": r.reward_mean,
-                                "max_staleness": max(r.staleness, default=0),
-                                "data_wait_s": r.data_wait_s, "train_s": r.train_s,
-                                **r.metrics}) + "\n")
+class StepLog:
+    """The learner's step hook: each step's metrics to metrics.jsonl/TensorBoard/W&B as it ends,
+    held-out evaluation every `eval_every` steps (and after the last), checkpoints when due, at
+    the end and on SIGTERM (then `RunStopped`)."""
+
+    def __init__(self, cfg: AgenticRunConfig, learner: StreamingLearner | SyncLearner,
+                 writer: MetricsWriter, checkpoints: LearnerCheckpoints,
+                 guard: TerminationGuard, before: dict[str, float],
+                 evaluate: Callable[..., Awaitable[dict[str, float]]]) -> None:
+        self.cfg, self.learner, self.writer = cfg, learner, writer
+        self.checkpoints, self.guard, self.before = checkpoints, guard, before
+        self.evaluate = evaluate
+        self.last_eval: tuple[int, dict[str, float]] | None = None
+        self._dropped: collections.Counter[str] = collections.Counter()
+        self._mark = (time.perf_counter(), perf.busy_seconds(perf.ENGINE))
+        # Which groups each step trained (RUN_DIR/groups.jsonl), one history across resumes.
+        self.groups_path = Path(writer.run_dir) / GROUPS_LOG
+        truncate_jsonl(str(self.groups_path), learner.version)
+
+    async def __call__(self, record: StepRecord) -> None:
+        step, cfg = record.version + 1, self.cfg
+        metrics = self.step_metrics(record)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            figures = await self.evaluate(step=step)
+            self.last_eval = (step, figures)
+            metrics.update({f"eval/{k}": v for k, v in figures.items()})
+        self.writer.write(step, metrics)
+        self.writer.flush()  # on disk as the step ends, not one step later
+        with self.groups_path.open("a") as f:
+            f.write(json.dumps({"step": step, "groups": list(record.group_ids)}) + "\n")
+        stop = self.guard.requested
+        if self.checkpoints.should_save(step) or step == cfg.steps or stop:
+            with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+                await asyncio.to_thread(self.checkpoints.save, step, self.learner.trainer,
+                                        self.learner.cursor, data={"eval_before": self.before},
+                                        force=step == cfg.steps or stop)
+        if stop:
+            await asyncio.to_thread(self.checkpoints.wait)
+            raise RunStopped(f"stopped by SIGTERM after step {step} of {cfg.steps}; checkpoint "
+                             f"written to {self.checkpoints.policy.cfg.directory}. Run the same "
+                             "command again to resume")
+
+    def step_metrics(self, record: StepRecord) -> dict[str, float]:
+        """The step's scalars: reward and solve rate of its groups, staleness histogram, tokens,
+        episode outcomes, groups dropped by cause, engine busy and trainer idle since the last
+        step, and the trainer's loss terms (loss, KL, clip fraction, entropy, ...)."""
+        now, busy = time.perf_counter(), perf.busy_seconds(perf.ENGINE)
+        wall = max(now - self._mark[0], 1e-9)
+        engine_busy = (busy - self._mark[1]) / wall
+        self._mark = (now, busy)
+        out: dict[str, float] = {
+            "reward_mean": record.reward_mean, "solved": record.solved,
+            "completion_tokens": record.completion_tokens,
+            "staleness_max": float(max(record.staleness, default=0)),
+            "data_wait_s": record.data_wait_s, "train_s": record.train_s,
+            "weight_sync_s": record.sync_s, "engine_busy": engine_busy,
+            "trainer_idle": min(record.data_wait_s / wall, 1.0)}
+        for lag, n in collections.Counter(record.staleness).items():
+            out[f"staleness/{lag}"] = float(n)
+        for status, n in record.outcomes.items():
+            out[f"episodes/{status}"] = float(n)
+        queue = self.learner.queue
+        if queue is not None:
+            for reason, n in (queue.dropped - self._dropped).items():
+                out[f"groups_dropped/{reason}"] = float(n)
+            self._dropped = collections.Counter(queue.dropped)
+        out.update({k: float(v) for k, v in record.metrics.items()
+                    if isinstance(v, int | float)})
+        return out
+
+
+def resumed_group_ids(cursor: GroupCursor, groups_per_step: int) -> Iterator[int] | None:
+    """The learner's group ids: from the start (None: its default), or, resuming, the groups
+    the stopped run had drawn but not trained, then on (several processes: from the next step
+    block past every process's position)."""
+    if cursor == GroupCursor():
+        return None
+    if jax.process_count() > 1:
+        return process_group_ids(groups_per_step, jax.process_count(), jax.process_index(),
+                                 first_step=-(-cursor.next // groups_per_step))
+    return cursor.group_ids()
 
 
 def save_final_model(trainer: PolicyTrainer, local_model: nnx.Module, directory: Path) -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -31,13 +30,19 @@ from jax.sharding import Mesh
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptFormat, greedy_reward
-from nonstop.agentic.streaming import StepRecord, StreamingLearner, process_group_ids
+from nonstop.agentic.streaming import (
+    GroupCursor,
+    StepRecord,
+    StreamingLearner,
+    process_group_ids,
+)
 from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig, place
 from nonstop.models import Decoder, Tokenizer, load_pretrained, save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
 from nonstop.models.validation import check, check_int, check_ints
+from nonstop.recipes.learner_state import LearnerCheckpoints, RunStopped, TerminationGuard
 from nonstop.recipes.run import RunDirs, start_run
 from nonstop.recipes.tasks import ArithmeticTask, CountdownTask, Gsm8kTask, Task
 from nonstop.recipes.tasks.custom import check_task_settings, custom_task
@@ -46,7 +51,6 @@ from nonstop.rl import RLAlgorithmConfig
 from nonstop.rl.policy_trainer import PolicyTrainer, PolicyTrainerConfig
 from nonstop.train import (
     CheckpointConfig,
-    Checkpointer,
     MetricsConfig,
     MetricsWriter,
     OptimizerConfig,
@@ -202,14 +206,15 @@ def build_task(cfg: TaskSettings) -> Task:
     return Gsm8kTask.from_file(cfg.path)
 
 
-def resumed_group_ids(consumed: int, groups_per_step: int) -> Iterator[int]:
-    """This process's group ids from where a run that consumed `consumed` groups stopped: one
-    process continues at `consumed`; several continue at the next step block of ids."""
+def resumed_group_ids(cursor: GroupCursor, groups_per_step: int) -> Iterator[int]:
+    """This process's group ids from where a run stopped: one process regenerates the groups it
+    had drawn but not trained, then continues; several continue at the next step block of ids
+    past every process's position (their pending groups are not regenerated)."""
     processes = jax.process_count()
     if processes == 1:
-        return itertools.count(consumed)
+        return cursor.group_ids()
     return process_group_ids(groups_per_step, processes, jax.process_index(),
-                             first_step=-(-consumed // groups_per_step))
+                             first_step=-(-cursor.next // groups_per_step))
 
 
 def initial_policy(cfg: RLRunConfig, run: RunDirs, tokenizer: Tokenizer, task: Task,
@@ -241,48 +246,6 @@ def meshes(placement: PlacementConfig) -> tuple[Mesh | None, Mesh | None]:
     return placed.engine_mesh, placed.trainer_mesh
 
 
-@dataclasses.dataclass
-class RLCheckpoints:
-    """The policy's checkpoints (RUN_DIR/checkpoints) and, for PPO, the critic's."""
-
-    policy: Checkpointer
-    critic: Checkpointer | None
-
-    @classmethod
-    def open(cls, cfg: CheckpointConfig, run: RunDirs, with_critic: bool) -> RLCheckpoints:
-        critic = Checkpointer(cfg.in_run(run.root, "critic_checkpoints")) if with_critic else None
-        return cls(Checkpointer(cfg.in_run(run.root)), critic)
-
-    def restore(self, trainer: PolicyTrainer, run: RunDirs) -> tuple[int, int]:
-        """Restore the trainer in place; (step, examples consumed: the next group id), (0, 0)
-        on a fresh run."""
-        restored = self.policy.restore(trainer.state)
-        if restored is None:
-            return 0, 0
-        trainer.state = restored.state
-        step = int(restored.step)
-        if self.critic is not None:
-            if step not in self.critic.all_steps():
-                raise FileNotFoundError(
-                    f"{run.root}: policy checkpoint at step {step} but no critic checkpoint in "
-                    f"{self.critic.cfg.directory}; cannot resume PPO")
-            trainer.critic.state = self.critic.restore(trainer.critic.state, step=step).state
-        return step, int(restored.data_state["examples_consumed"])
-
-    def save(self, step: int, trainer: PolicyTrainer, consumed: int, *, force: bool) -> None:
-        """Save if `step` is due (or `force`: the run's last step)."""
-        data = {"examples_consumed": consumed}
-        self.policy.save(step, trainer.state, data_state=data, force=force)
-        if self.critic is not None:
-            self.critic.save(step, trainer.critic.state, data_state=data, force=force)
-
-    def close(self) -> None:
-        for ckpt in (self.policy, self.critic):
-            if ckpt is not None:
-                ckpt.wait()
-                ckpt.close()
-
-
 def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Train; returns the eval reward before and after RL and the per-step history.
 
@@ -296,8 +259,8 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
     eval_examples = task.eval_examples(cfg.task.num_eval, seed=cfg.seed + 1)
     with perf.run(run.own / "perf"):
         # 2. The initial policy, the devices, the trainer and its checkpoints.
-        checkpoints = RLCheckpoints.open(cfg.checkpoint, run,
-                                         cfg.algorithm_config().value is not None)
+        checkpoints = LearnerCheckpoints.open(cfg.checkpoint, run,
+                                              cfg.algorithm_config().value is not None)
         resuming = checkpoints.policy.latest_step() is not None
         model = initial_policy(cfg, run, tokenizer, task, resuming)
         engine_mesh, trainer_mesh = meshes(cfg.placement)
@@ -305,9 +268,11 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
             inner_epochs=cfg.inner_epochs, lora_only=cfg.lora is not None,
             critic_optimizer=cfg.critic_optimizer, seed=cfg.seed), mesh=trainer_mesh)
-        # 3. Resume: the train state and the position in the prompt stream (the next group id;
-        # group g answers the stream's g-th example).
-        start_step, consumed = checkpoints.restore(trainer, run)
+        # 3. Resume: the train state and the position in the prompt stream (group g answers
+        # the stream's g-th example).
+        resumed = checkpoints.restore(trainer, run)
+        start_step = resumed.step if resumed is not None else 0
+        cursor = resumed.cursor if resumed is not None else GroupCursor()
         processes = jax.process_count()
         learner_cfg = cfg.learner_config(tuple(tokenizer.eos_ids), processes)
         examples = ExampleStream(task.iter_examples("train", cfg.seed))
@@ -340,9 +305,6 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             dropped_before: dict[str, int] = {}
 
             async def on_step(record: StepRecord) -> None:
-                # At max_staleness 0 no group of the next step has started yet: `consumed` is
-                # exactly the groups drawn so far.
-                used = examples.consumed
                 step = record.version + 1
                 dropped = dict(learner.queue.dropped) if learner.queue is not None else {}
                 metrics: dict[str, Any] = {
@@ -361,25 +323,36 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                 history.append(metrics)
                 writer.write(step, {k: v for k, v in metrics.items()
                                     if isinstance(v, int | float) and k != "step"})
-                if checkpoints.policy.should_save(step) or step == cfg.steps:
+                stop = guard.requested
+                if checkpoints.should_save(step) or step == cfg.steps or stop:
                     writer.flush()
+                    position = learner.cursor
                     if processes > 1:  # every process's position: resume past all of them
-                        used = await asyncio.to_thread(distributed.max_over_processes, used)
+                        position = GroupCursor((), await asyncio.to_thread(
+                            distributed.max_over_processes, position.next))
                     with perf.span(perf.TRAIN_CHECKPOINT, step=step):
-                        await asyncio.to_thread(checkpoints.save, step, trainer, used,
-                                                force=step == cfg.steps)
+                        await asyncio.to_thread(checkpoints.save, step, trainer, position,
+                                                data={"eval_before": history[0]["eval_reward"]},
+                                                force=step == cfg.steps or stop)
+                if stop:
+                    await asyncio.to_thread(checkpoints.wait)
+                    raise RunStopped(f"stopped by SIGTERM after step {step} of {cfg.steps}; "
+                                     f"checkpoint written to {checkpoints.policy.cfg.directory}."
+                                     " Run the same command again to resume")
 
             learner = StreamingLearner(trainer, engine, episodes, learner_cfg, on_step=on_step)
 
             async def main() -> float:
-                before = await evaluate(start_step)
+                # A resumed run reports the first run's starting figure as its "before".
+                before = (resumed.data["eval_before"] if resumed is not None
+                          and "eval_before" in resumed.data else await evaluate(start_step))
                 history.append({"step": start_step, "eval_reward": before})
-                group_ids = resumed_group_ids(consumed, learner_cfg.groups_per_step)
+                group_ids = resumed_group_ids(cursor, learner_cfg.groups_per_step)
                 await episodes.watch(asyncio.ensure_future(
                     learner.run(cfg.steps - start_step, group_ids)))
                 return before
 
-            with gc_heap_frozen():
+            with gc_heap_frozen(), TerminationGuard() as guard:
                 before = asyncio.run(main())
         # 5. Close: the last checkpoint written, the metrics flushed.
         checkpoints.close()
@@ -390,4 +363,5 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
             "failures": dict(episodes.failures), "run_dir": str(run.root)}
 
 
-__all__ = ["RLRunConfig", "RolloutConfig", "TaskSettings", "build_task", "initial_policy", "meshes", "run_rl"]
+__all__ = ["RLRunConfig", "RolloutConfig", "TaskSettings", "build_task", "initial_policy", "meshes",
+           "run_rl"]

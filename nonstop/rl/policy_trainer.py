@@ -56,7 +56,7 @@ from nonstop.train import (
     TokenSequence,
     TrainBatch,
     distributed,
-    pack_units,
+    pack_least_padding,
     setup_train_step,
     target_mask,
     token_logprobs,
@@ -166,13 +166,16 @@ class PolicyTrainer:
         numerator = out.terms.numerator
         # The step reports the accumulated loss itself; keep the per-batch value under its own name.
         metrics = {("policy_loss" if k == "loss" else k): v for k, v in out.metrics.items()}
-        if self.algorithm.entropy_coef > 0:
-            ent = aggregate(token_entropy(logits), mask, batch.segment_ids,
-                            mode=self.algorithm.policy_loss.aggregation,
-                            max_segments=self.max_segments,
-                            max_len_norm=self.algorithm.policy_loss.max_len_norm)
+        # The policy's entropy on the sampled positions: a bonus with entropy_coef, else only
+        # reported (no gradient flows through it).
+        bonus = self.algorithm.entropy_coef > 0
+        ent = aggregate(token_entropy(logits if bonus else jax.lax.stop_gradient(logits)), mask,
+                        batch.segment_ids, mode=self.algorithm.policy_loss.aggregation,
+                        max_segments=self.max_segments,
+                        max_len_norm=self.algorithm.policy_loss.max_len_norm)
+        if bonus:
             numerator = numerator - self.algorithm.entropy_coef * ent.numerator
-            metrics["entropy"] = ent.value()
+        metrics["entropy"] = ent.value()
         return numerator, out.terms.denominator, metrics
 
     def _logprob_pass(self, params: nnx.State, frozen: nnx.State, batch: TrainBatch) -> jax.Array:
@@ -213,7 +216,7 @@ class PolicyTrainer:
 
     def pack(self, trajectories: Sequence[Trajectory]) -> list[PackedBatch]:
         units = trajectory_units(trajectories, per_token=self.uses_gae)
-        return list(pack_units(units, self.cfg.packing))
+        return pack_least_padding(units, self.cfg.packing)
 
     def sequence_kl(self, trajectories: Sequence[Trajectory]) -> np.ndarray:
         """float32[E]: each episode's summed per-token KL(behaviour || reference) on its sampled
@@ -225,7 +228,7 @@ class PolicyTrainer:
                                 origin=f"episode {t.episode_id}"),) for t in trajectories]
         sums = []
         with perf.span(perf.TRAIN_DATA_WAIT, stage="reference_kl"):
-            batches = list(pack_units(units, self.cfg.packing))
+            batches = pack_least_padding(units, self.cfg.packing)
             if jax.process_count() > 1:  # every process runs the same reference passes
                 missing = distributed.max_over_processes(len(batches)) - len(batches)
                 batches += [self._empty_batch()] * missing

@@ -14,6 +14,7 @@ from nonstop.train.packing import (
     PackUnit,
     Placement,
     TokenSequence,
+    pack_least_padding,
     pack_units,
 )
 from nonstop.train.progress import ProgressBar
@@ -43,6 +44,7 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "make_train_step",
+    "pack_least_padding",
     "pack_units",
     "read_jsonl",
     "setup_train_step",

@@ -72,7 +72,7 @@ class MetricsWriter:
         if cfg.jsonl:
             path = os.path.join(self.run_dir, JSONL_NAME)
             if resume_step is not None:
-                _truncate_jsonl(path, resume_step)
+                truncate_jsonl(path, resume_step)
             self._jsonl = open(path, "a", encoding="utf-8")
         if cfg.tensorboard:
             # Imported here: tensorboardX imports torch when it is installed, which takes seconds.
@@ -169,7 +169,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
-def _truncate_jsonl(path: str, resume_step: int) -> None:
+def truncate_jsonl(path: str, resume_step: int) -> None:
     """Keep the records of steps <= resume_step; rewrite atomically (tmp file + rename)."""
     if not os.path.exists(path):
         return

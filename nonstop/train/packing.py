@@ -333,6 +333,31 @@ class BatchPacker:
         return PackedBatch(batch=TrainBatch(**arrays), stats=stats, placements=placements)
 
 
+def pack_least_padding(units: Iterable[PackUnit], config: PackingConfig) -> list[PackedBatch]:
+    """A finite set of units (an RL step's episodes) in as many batches as streaming first-fit
+    makes (one optimizer step each, so the training is the same), with the least padding: rows
+    as long as each bucket in turn are tried (buckets shorter than a unit are skipped), and the
+    layout with that many batches and the fewest rows x length slots wins (ties: the shorter
+    bucket). First-fit alone fills rows up to the longest bucket, which leaves most rows of a
+    batch empty when a step holds fewer tokens than a batch of that bucket."""
+    units = [tuple(u) for u in units]
+    best = list(pack_units(units, config))
+    if config.mode == "pad" or len(config.buckets) == 1 or not best:
+        return best
+    longest = max(sum(len(seq) for seq in u) for u in units)
+    slots = sum(p.batch.tokens.size for p in best)
+    for bucket in config.buckets[:-1]:
+        if longest > bucket:
+            continue
+        capped = dataclasses.replace(config, buckets=tuple(b for b in config.buckets
+                                                           if b <= bucket))
+        batches = list(pack_units(units, capped))
+        size = sum(p.batch.tokens.size for p in batches)
+        if len(batches) == len(best) and size < slots:
+            best, slots = batches, size
+    return best
+
+
 def pack_units(units: Iterable[PackUnit], config: PackingConfig) -> Iterator[PackedBatch]:
     """Packs a finite or endless stream of units into batches, the last one partly filled."""
     packer = BatchPacker(config)

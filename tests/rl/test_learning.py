@@ -14,17 +14,17 @@ FIXTURE = Path(__file__).parent.parent / "fixtures" / "arithmetic_sft"
 
 @pytest.mark.slow
 def test_grpo_raises_held_out_accuracy(tmp_path):
-    # Two thirds of the full recipe (150 steps: 32.8% -> 56.3%, docs/rl.md); 100 steps reach
-    # 49.2% with this seed.
+    # The full recipe of docs/rl.md (150 steps, 32.8% -> 56.3% with seed 0; seeds 1 and 2 gain
+    # 25.8 and 28.1 points), evaluated at the end only.
     cfg = load_config(RLRunConfig, "nonstop/recipes/configs/grpo_arithmetic.yaml", [
-        f"run_dir={tmp_path}", f"model.path={FIXTURE}", "warmup.steps=0", "steps=100",
-        "eval_every=100", "rollout.group_size=16", "rollout.prompts_per_step=16",
+        f"run_dir={tmp_path}", f"model.path={FIXTURE}", "warmup.steps=0", "steps=150",
+        "eval_every=150", "rollout.group_size=16", "rollout.prompts_per_step=16",
         "optimizer.learning_rate=3e-4", "packing.rows_per_batch=16",
         "engine.max_slots=128", "checkpoint.save_every=1000"])
     summary = run_rl(cfg, progress=False)
     # The fixture starts at 33% greedy exact match on these 128 held-out problems.
     assert 0.2 <= summary["eval_before"] <= 0.6
-    assert summary["eval_after"] >= summary["eval_before"] + 0.1, summary["history"][-1]
+    assert summary["eval_after"] >= summary["eval_before"] + 0.15, summary["history"][-1]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from nonstop.train.packing import (
     PackingConfig,
     PackingStats,
     TokenSequence,
+    pack_least_padding,
     pack_units,
 )
 
@@ -220,3 +221,37 @@ def test_train_batch_target_mask_and_shape_check():
 def test_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         PackingConfig(**kwargs)
+
+
+def _episodes(lengths):
+    return [(TokenSequence(tokens=np.arange(n, dtype=np.int32) % 50 + 1,
+                           loss_mask=np.ones(n, bool), origin=f"episode {i}"),)
+            for i, n in enumerate(lengths)]
+
+
+def test_least_padding_keeps_the_batch_count_and_shortens_rows():
+    # An RL step of 32 episodes of 72 tokens: first-fit fills 5 of 16 rows of 512 (28% of the
+    # batch holds tokens); rows of 256 hold the step in the same single batch (11 rows, 56%).
+    cfg = PackingConfig(buckets=(64, 128, 256, 512), rows_per_batch=16, max_segments_per_row=16)
+    units = _episodes([72] * 32)
+    first_fit = list(pack_units(units, cfg))
+    assert [p.batch.tokens.shape for p in first_fit] == [(16, 512)]
+    tight = pack_least_padding(units, cfg)
+    assert [p.batch.tokens.shape for p in tight] == [(16, 256)]
+    assert tight[0].stats.rows_used == 11 and tight[0].stats.real_tokens == 32 * 72
+    assert tight[0].stats.padded_tokens == 16 * 256 - 32 * 72
+    # Every episode is placed whole, once.
+    placed = sorted((p.row, p.start, p.length) for p in tight[0].placements)
+    assert len(placed) == 32 and all(length == 72 for _, _, length in placed)
+    rows = {row: [s for r, s, _ in placed if r == row] for row, _, _ in placed}
+    assert all(starts == [0, 72, 144][:len(starts)] for starts in rows.values())
+    # Rows of 128 would need two batches (two optimizer steps instead of one): not taken.
+    assert len(list(pack_units(units, PackingConfig(buckets=(64, 128), rows_per_batch=16,
+                                                    max_segments_per_row=16)))) == 2
+
+
+def test_least_padding_skips_buckets_shorter_than_an_episode():
+    cfg = PackingConfig(buckets=(64, 128, 512), rows_per_batch=4, max_segments_per_row=4)
+    tight = pack_least_padding(_episodes([100, 20, 20]), cfg)
+    assert [p.batch.tokens.shape for p in tight] == [(4, 128)]
+    assert pack_least_padding([], cfg) == []
