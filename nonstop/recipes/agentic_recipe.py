@@ -150,6 +150,9 @@ class AgenticRunConfig:
     def __post_init__(self) -> None:
         check_int("AgenticRunConfig", "eval_every", self.eval_every, low=0)
         check_int("AgenticRunConfig", "pass_k", self.pass_k, low=0)
+        check(self.max_concurrency >= self.group_size, "AgenticRunConfig", "max_concurrency",
+              self.max_concurrency, f"at least group_size={self.group_size}, so that a group's "
+              "episodes can be in flight together")
         self.algorithm_config()  # validates the algorithm's settings up front
         self.learner_config(self.agent)  # and the learner's (staleness, sync cadence)
 

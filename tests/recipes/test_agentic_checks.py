@@ -32,3 +32,17 @@ def test_the_cli_says_it_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("nonstop agentic: error: ")
     assert "engine.max_len=64 is invalid" in err
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("group_size=128", "max_concurrency=64", "at least group_size=128"),
+    ("max_staleness=-1", "max_staleness=-1", "an int >= 0"),
+    ("agent.sampling.temperature=-1", "agent.sampling.temperature=-1.0", "a finite float >= 0"),
+    ("eval_every=-5", "eval_every=-5", "an int >= 0"),
+    ("pass_k=-1", "pass_k=-1", "an int >= 0"),
+])
+def test_bad_settings_are_refused_when_the_config_loads(override, key, expected):
+    with pytest.raises(ConfigError) as caught:
+        load_config(AgenticRunConfig, None, [override])
+    message = str(caught.value)
+    assert message.startswith(f"{key} is invalid") and expected in message, message
