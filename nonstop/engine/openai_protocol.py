@@ -211,7 +211,7 @@ def _parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int | None,
                             param="stream_options")
     include_usage = _bool(options or {}, "include_usage", False)
     unknown = sorted(set(options or {}) - {"include_usage"})
-    if unknown or _bool(options or {}, "continuous_usage_stats", False):
+    if unknown:
         raise ProtocolError(f"stream_options: nonstop supports include_usage only, got "
                             f"{unknown}", param="stream_options")
     return SamplingFields(

@@ -36,7 +36,8 @@ class Scores:
 
 
 class Scorer:
-    """Scores sequences of up to `max_len` tokens with `model`'s current weights."""
+    """Scores sequences of up to `max_len` tokens with the weights `model` has when the scorer
+    is built (it keeps those arrays; a later weight update of an engine does not reach it)."""
 
     def __init__(self, model: Decoder, max_len: int):
         self.max_len = max_len

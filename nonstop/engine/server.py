@@ -610,7 +610,7 @@ class OpenAIServing:
         self._authorize(request)
         req: ChatCompletionRequest = wire.parse_chat_request(await self._body(request))
         self._check_model(req.model)
-        if req.tools is not None and self._parser is None:
+        if req.tools is not None and self._parser is None and req.tool_choice != "none":
             raise ProtocolError("tools: this server reads no tool calls (its chat template's "
                                 "format is unknown); start it with --tool-parser "
                                 f"{{{','.join(TOOL_PARSERS)}}}", param="tools")
