@@ -192,6 +192,20 @@ def test_parse_completion_request_validates_fields():
         assert info.value.param == param and info.value.status == 400
 
 
+def test_parse_chat_request_reads_tool_choice():
+    hi = [{"role": "user", "content": "hi"}]
+    assert wire.parse_chat_request({"messages": hi}).tool_choice == "none"
+    req = wire.parse_chat_request({"messages": hi, "tools": TOOLS, "parallel_tool_calls": False})
+    assert req.tool_choice == "auto" and req.parallel_tool_calls is False
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert wire.parse_chat_request({"messages": hi, "tools": TOOLS,
+                                    "tool_choice": named}).tool_choice == "get_weather"
+    for choice in ("none", "auto", "required"):
+        assert wire.parse_chat_request({"messages": hi, "tools": TOOLS,
+                                        "tool_choice": choice}).tool_choice == choice
+    assert wire.parse_chat_request({"messages": hi, "response_format": {"type": "text"}})
+
+
 def test_text_deltas_hold_back_partial_utf8_and_cut_at_stop(tokenizer: Tokenizer):
     text = "Naïve café 🙂 and the answer is 42."
     ids = tokenizer.encode(text)
