@@ -529,6 +529,17 @@ def test_top_logprobs_equal_the_log_softmax(oai: openai.OpenAI, log_softmax):
                                                          for t in np.argsort(-row)[:20]]
         np.testing.assert_allclose([a.logprob for a in entry.top_logprobs],
                                    np.sort(row)[::-1][:20], atol=1e-5)
+    # Streamed: the same alternatives, chunk by chunk.
+    streamed = [entry for chunk in oai.chat.completions.create(
+        model="served_model", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=20, stream=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == [
+        [a.token for a in e.top_logprobs] for e in c.logprobs.content]
+    np.testing.assert_allclose([[a.logprob for a in e.top_logprobs] for e in streamed],
+                               [[a.logprob for a in e.top_logprobs] for e in c.logprobs.content],
+                               atol=1e-5)
 
 
 def test_echo_prompt_logprobs_equal_a_full_forward(oai: openai.OpenAI, log_softmax,
