@@ -121,10 +121,14 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (), "guided_decoding_backend": (), "structured_outputs": (),
     "prompt_logprobs": (), "min_tokens": (0,), "min_p": (0, 0.0), "logits_processors": (),
     "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
+    "reasoning_effort": (), "verbosity": (), "store": (False,),
 }
 _WHY = {
     "functions": "use tools", "function_call": "use tool_choice",
     "prompt_logprobs": "use echo=true with logprobs on /v1/completions",
+    "reasoning_effort": "pass the chat template's own switch in chat_template_kwargs "
+                        "(e.g. {\"enable_thinking\": false})",
+    "store": "nothing is stored",
 }
 
 

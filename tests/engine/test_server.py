@@ -378,6 +378,8 @@ BAD_REQUESTS = [
           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
           ({"top_logprobs": 2}, "top_logprobs"),
           ({"presence_penalty": 0.5}, "presence_penalty"),
+          ({"reasoning_effort": "low"}, "reasoning_effort"),
+          ({"store": True}, "store"),
       ]],
 ]
 
