@@ -19,7 +19,6 @@ import json
 import logging
 import secrets
 import string
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -702,8 +701,9 @@ class ServerConfig:
 
 
 def _say(message: str) -> None:
-    """Startup progress on the console (stderr, unbuffered), whatever the log level."""
-    print(f"nonstop serve: {message}", file=sys.stderr, flush=True)
+    """Startup progress on the console (stdout, flushed), whatever the log level; stderr keeps
+    errors alone, one line each."""
+    print(f"nonstop serve: {message}", flush=True)
 
 
 def _chat_template_source(tokenizer: Tokenizer) -> str | None:
@@ -726,12 +726,13 @@ def serve(config: ServerConfig) -> None:
 
     model_dir = Path(config.model_dir)
     started = time.perf_counter()
-    _say(f"loading {model_dir} ({config.dtype}) ...")
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = load_pretrained(model_dir, dtype=getattr(jnp, config.dtype))
     max_len = min(config.max_len, model.cfg.max_position_embeddings)
-    _say(f"loaded {model.cfg.family} in {time.perf_counter() - started:.1f} s; compiling the "
-         f"engine (max_slots={config.max_slots}, max_len={max_len}) ...")
+    # Said once the checkpoint has loaded: a directory that fails to load is one error line.
+    _say(f"loaded {model_dir} ({model.cfg.family}, {config.dtype}) in "
+         f"{time.perf_counter() - started:.1f} s; compiling the engine "
+         f"(max_slots={config.max_slots}, max_len={max_len}) ...")
     engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len),
                     tokenizer=tokenizer)
     compile_start = time.perf_counter()

@@ -432,7 +432,7 @@ def _extra(obj, key: str):
 
 def test_startup_progress_and_ready_line(server: str, server_log: Path):
     text = server_log.read_text()
-    assert "nonstop serve: loading" in text and "compiling the engine" in text
+    assert "nonstop serve: loaded" in text and "compiling the engine" in text
     assert f"nonstop serve: ready at {server}/v1 (model 'served_model'" in text
 
 
