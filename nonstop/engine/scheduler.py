@@ -569,9 +569,12 @@ class Scheduler(threading.Thread):
         """`req` leaves `slot`: its blocks are keyed and kept by its session or freed; requests
         waiting for prompt blocks it had not computed yet restart."""
         assert self.blocks is not None
+        # Blocks shared with a writer that has not computed them yet hold nothing yet: none
+        # is keyed or kept (the request waited for them, so it computed nothing either).
+        tokens = self.slot_tokens[slot] if self.blocks.ready(req) else []
         followers = self.blocks.writer_gone(req)
-        self.blocks.release(slot, self.slot_tokens[slot], self.version,
-                            session=req.session, share=self.config.prefix_cache)
+        self.blocks.release(slot, tokens, self.version, session=req.session,
+                            share=self.config.prefix_cache)
         self.slot_tokens[slot] = []
         self.slot_owner[slot] = None
         for follower in followers:
@@ -605,7 +608,10 @@ class Scheduler(threading.Thread):
             req.session.busy = True
         req.preempt()
         self.counters.preemptions += 1
-        self.waiting.appendleft(req)
+        # Back in arrival order: ahead of the (usually younger) waiting requests.
+        at = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival),
+                  len(self.waiting))
+        self.waiting.insert(at, req)
 
     # ---------------------------------------------------------------- engine-wide events
 

@@ -198,3 +198,48 @@ def test_kv_cache_tokens_from_a_memory_budget():
         EngineConfig(max_len=64, kv_layout="paged", kv_cache_tokens=32)
     with pytest.raises(ValueError, match="swap_space_gib"):
         EngineConfig(kv_layout="paged", swap_space_gib=1.0)
+
+
+def test_samples_sharing_blocks_a_cancelled_writer_never_computed_restart_and_match(model):
+    """The scheduler driven by hand: three samples of one prompt are admitted together, the
+    first computes the shared blocks and the others wait for it. Cancelled before it ran, its
+    blocks lose their keys and the others go back to the queue, in order; one of them then
+    computes the prompt, the other shares it, and both give an unshared run's tokens."""
+    from nonstop.engine.device import DeviceSteps
+    from nonstop.engine.requests import Request
+    from nonstop.engine.scheduler import Scheduler
+
+    config = _config(max_slots=4)
+    device = DeviceSteps(model, num_slots=4, max_len=MAX_LEN, num_blocks=config.num_blocks,
+                         block_size=BS)
+    sched = Scheduler(device, device.initial_state, 0, config, None)
+    prompt = random_prompt(21, seed=12)
+    results = {}
+
+    def request(i):
+        return Request(prompt=prompt, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                       max_tokens=4, stop_ids=frozenset(), stop=(), session=None,
+                       resolve=lambda r: results.__setitem__(i, r))
+
+    writer, *followers = reqs = [request(i) for i in range(3)]
+    for req in reqs:
+        sched._accept(req)
+    sched._admit()
+    assert all(r.slot >= 0 for r in reqs) and len(sched.blocks.pending) == 5
+    assert sched.blocks.ready(writer) and not any(sched.blocks.ready(f) for f in followers)
+    assert sched._next_prefill_rows()[0][1] is writer  # the others cannot go first
+    sched._cancel(writer)
+    assert list(sched.waiting) == followers and not sched.blocks.pending
+    assert sched.counters.preemptions == 2 and sched.blocks.pool.num_held == 0
+    while len(results) < 2:
+        sched._admit()
+        if sched.prefilling:
+            sched._prefill_some()
+        sched._decode_step()
+    with Engine(model, EngineConfig(max_slots=1, max_len=MAX_LEN,
+                                    prefill_chunks=(8, 32))) as dense:
+        expected = dense.generate_sync(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    assert [results[i].tokens for i in (1, 2)] == [expected.tokens] * 2
+    assert sorted(results[i].num_cached for i in (1, 2)) == [0, 20]
+    sched.blocks.pool.check()
+    assert sched.blocks.pool.num_free == config.num_blocks
