@@ -14,20 +14,42 @@ Rewards may be async: `final_reward()` is awaited once the episode is done.
 `ToolEnvironment` is the common case: run the parsed calls through a ToolSet (errors become
 observations), and when the model answers without a tool call, score that answer with a reward
 function and end the episode.
+
+Held out by construction: the built-in environments split their problem space, not their seeds.
+A problem belongs to the eval split when a stable hash of it (`split_of`) falls below the
+environment's `eval_fraction`; `sample_task(seed, split)` draws from a seeded stream until it
+finds a problem of `split` (`draw_in_split`), so training never sees an evaluation problem
+whatever seeds are asked for. An environment whose `sample_task` takes only a seed (a user's, a
+hub adapter) keeps the older convention: held-out tasks come from seeds `HELD_OUT_SEED + i`
+(`draw_task` picks the right call).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import inspect
+import random
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from nonstop.agentic.parsers import ParseError, ToolCallParser
 from nonstop.agentic.tools import ToolSet
 from nonstop.models.chat import Message, ToolCall
+
+Split = Literal["train", "eval"]
+SPLITS: tuple[Split, ...] = ("train", "eval")
+HELD_OUT_SEED = 1_000_000  # seed-only environments: held-out task i is sample_task(this + i)
+MAX_SPLIT_DRAWS = 10_000
+
+
+def split_of(key: str, eval_fraction: float) -> Split:
+    """The split a problem belongs to: a stable hash of `key` (its prompt, or what identifies
+    the problem), independent of any seed."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "big") / 2**64 < eval_fraction else "train"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +115,43 @@ class StepResult:
 RewardFn = Callable[[Task, str], float] | Callable[[Task, str], Awaitable[float]]
 
 
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid; expected 'train' or 'eval'")
+
+
+def draw_in_split(
+    generate: Callable[[random.Random], Task],
+    rng: random.Random,
+    split: Split,
+    eval_fraction: float,
+    *,
+    key: Callable[[Task], str] = lambda t: t.prompt,
+    owner: str = "Environment",
+) -> Task:
+    """The first problem `generate(rng)` makes whose hash `key` falls in `split`."""
+    check_split(split)
+    for _ in range(MAX_SPLIT_DRAWS):
+        task = generate(rng)
+        if split_of(key(task), eval_fraction) == split:
+            return task
+    raise ValueError(
+        f"{owner}: no {split} problem in {MAX_SPLIT_DRAWS} draws at "
+        f"eval_fraction={eval_fraction}; widen the problem space or change "
+        "eval_fraction"
+    )
+
+
+def draw_task(env: Environment, seed: int, split: Split) -> Task:
+    """Task `seed` of `split`: `env.sample_task(seed, split=split)` when it takes a split,
+    else (a seed-only environment) `env.sample_task(seed)` for training and
+    `env.sample_task(HELD_OUT_SEED + seed)` for evaluation."""
+    check_split(split)
+    if "split" in inspect.signature(env.sample_task).parameters:
+        return env.sample_task(seed, split=split)
+    return env.sample_task(seed if split == "train" else HELD_OUT_SEED + seed)
+
+
 class Environment(abc.ABC):
     """One episode of a task. Subclasses set `tools` and `system_prompt`."""
 
@@ -100,8 +159,9 @@ class Environment(abc.ABC):
     system_prompt: str | None = None
 
     @abc.abstractmethod
-    def sample_task(self, seed: int) -> Task:
-        """A task drawn deterministically from `seed`."""
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        """A task of `split` drawn deterministically from `seed`. Subclasses may take only a
+        seed (then held-out tasks come from seeds `HELD_OUT_SEED` on, see `draw_task`)."""
 
     @abc.abstractmethod
     async def reset(self, task: Task | None = None, *, seed: int = 0) -> Observation:

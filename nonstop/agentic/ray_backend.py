@@ -22,7 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from nonstop import perf
-from nonstop.agentic.environment import AgentAction, Environment, Observation, StepResult, Task
+from nonstop.agentic.environment import (
+    AgentAction,
+    Environment,
+    Observation,
+    Split,
+    StepResult,
+    Task,
+    draw_task,
+)
 from nonstop.models.chat import Message
 from nonstop.models.validation import check
 
@@ -231,8 +239,8 @@ class RayEnvironment(Environment):
         self._placement: tuple[int, int, Any] | None = None  # key, actor index, handle
         self._dead = False
 
-    def sample_task(self, seed: int) -> Task:
-        return self.pool.template.sample_task(seed)
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        return draw_task(self.pool.template, seed, split)
 
     def demonstration(self, task: Task) -> list[Message]:
         return self.pool.template.demonstration(task)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
-from nonstop.agentic.environment import Environment
+from nonstop.agentic.environment import HELD_OUT_SEED, Environment, Split, draw_task
 from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
@@ -76,7 +76,11 @@ from nonstop.train.metrics import truncate_jsonl
 
 EnvName = Literal["calculator", "gridworld"]
 EnvBackend = Literal["local", "ray"]
-EVAL_SEED_OFFSET = 1_000_000  # held-out tasks come from seeds training never draws
+# Training draws split "train" of the environment, evaluation split "eval" (`draw_task`): the
+# built-in environments split their problems by a hash; a seed-only environment (a user's, a
+# hub adapter) gets held-out tasks from seeds EVAL_SEED_OFFSET + i. Evaluation samples with
+# seeds offset by it too.
+EVAL_SEED_OFFSET = HELD_OUT_SEED
 RL_PHASE = "main/agentic_rl"  # the span around the learner's run, for figures over RL alone
 GROUPS_LOG = "groups.jsonl"  # the group ids each learner step trained
 FINAL_MODEL_DIR = "final_model"  # the trained policy, RUN_DIR/final_model
@@ -196,15 +200,17 @@ def env_backend(cfg: EnvSettings) -> Iterator[Callable[[], Environment]]:
             import_ray().shutdown()
 
 
-def interaction_factory(cfg: AgenticRunConfig, tokenizer: Tokenizer, task_offset: int,
+def interaction_factory(cfg: AgenticRunConfig, tokenizer: Tokenizer, split: Split,
                         new_env: Callable[[], Environment] | None = None):
+    """Episodes on task `group_id` of `split` (training: seeds from `cfg.seed` on)."""
     parser = get_parser(cfg.env.chat_format)
     new_env = new_env or functools.partial(make_env, cfg.env)
+    first = cfg.seed if split == "train" else 0
 
     def make(spec: EpisodeSpec) -> ChatInteraction:
         env = new_env()
         return ChatInteraction(env, tokenizer, parser,
-                               task=env.sample_task(task_offset + spec.group_id),
+                               task=draw_task(env, first + spec.group_id, split),
                                seed=spec.seed, with_tools=cfg.env.with_tools_in_prompt)
 
     return make
@@ -224,11 +230,11 @@ def agent_config(cfg: AgenticRunConfig, tokenizer: Tokenizer, *, greedy: bool = 
 async def _prompt_lengths(cfg: AgenticRunConfig, tokenizer: Tokenizer) -> dict[str, int]:
     """Token counts of the first training prompt and the first held-out one."""
     lengths = {}
-    for split, offset in (("training", cfg.seed), ("held-out", EVAL_SEED_OFFSET)):
-        interaction = interaction_factory(cfg, tokenizer, offset)(
+    for name, split in (("training", "train"), ("held-out", "eval")):
+        interaction = interaction_factory(cfg, tokenizer, split)(
             EpisodeSpec(group_id=0, index=0, episode_id=0, seed=cfg.seed))
         try:
-            lengths[split] = len(await interaction.start())
+            lengths[name] = len(await interaction.start())
         finally:
             interaction.close()
     return lengths
@@ -254,7 +260,7 @@ async def held_out_rewards(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tok
     processes, each runs a block of the `num_eval` tasks on its own engine): greedy, or at the
     training sampling with seeds fixed per (task, sample), so evaluations are comparable."""
     orchestrator = RolloutOrchestrator(
-        engine, interaction_factory(cfg, tokenizer, EVAL_SEED_OFFSET, new_env),
+        engine, interaction_factory(cfg, tokenizer, "eval", new_env),
         OrchestratorConfig(group_size=samples, max_concurrency=cfg.max_concurrency,
                            seed=cfg.seed + EVAL_SEED_OFFSET,
                            agent=agent_config(cfg, tokenizer, greedy=greedy)))
@@ -368,7 +374,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                 before = asyncio.run(evaluate(engine, cfg, tokenizer, new_env, step=start))
             learner_cls = StreamingLearner if cfg.learner == "streaming" else SyncLearner
             learner = learner_cls(trainer, engine,
-                                  interaction_factory(cfg, tokenizer, cfg.seed, new_env),
+                                  interaction_factory(cfg, tokenizer, "train", new_env),
                                   cfg.learner_config(agent_config(cfg, tokenizer)))
             log = StepLog(cfg, learner, writer, checkpoints, guard, before,
                           functools.partial(evaluate, engine, cfg, tokenizer, new_env))

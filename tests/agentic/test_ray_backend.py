@@ -87,7 +87,7 @@ def _orchestrator(recipe, new_env, concurrency=12):
     cfg, tokenizer, engine = recipe
     config = OrchestratorConfig(group_size=cfg.group_size, max_concurrency=concurrency,
                                 seed=cfg.seed, agent=agent_config(cfg, tokenizer))
-    return RolloutOrchestrator(engine, interaction_factory(cfg, tokenizer, cfg.seed, new_env),
+    return RolloutOrchestrator(engine, interaction_factory(cfg, tokenizer, "train", new_env),
                                config)
 
 
@@ -228,7 +228,7 @@ def test_a_killed_actor_mid_training_drops_its_groups_and_training_goes_on(local
     with RayEnvironmentPool(factory, RayEnvConfig(num_actors=2, max_concurrency=8,
                                                   **SMALL_ACTORS)) as pool:
         learner = StreamingLearner(trainer, engine,
-                                   interaction_factory(cfg, tokenizer, cfg.seed, pool.environment),
+                                   interaction_factory(cfg, tokenizer, "train", pool.environment),
                                    learner_cfg)
 
         async def train_and_kill():

@@ -14,7 +14,13 @@ import operator
 import random
 from typing import Literal
 
-from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
+from nonstop.agentic.environment import (
+    Split,
+    Task,
+    ToolEnvironment,
+    draw_in_split,
+    numeric_reward,
+)
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
 from nonstop.models.validation import check, check_int
@@ -96,10 +102,13 @@ class CalculatorConfig:
     ops: tuple[Op, ...] = ("+", "-")
     num_steps: int = 1  # operations per problem
     max_turns: int = 4
+    eval_fraction: float = 0.1  # problems held out for evaluation (by a hash of the arithmetic)
 
     def __post_init__(self) -> None:
         owner = "CalculatorConfig"
         check_int(owner, "max_operand", self.max_operand, low=2)
+        check(isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0, owner,
+              "eval_fraction", self.eval_fraction, "a float in (0, 1), exclusive")
         check(bool(self.ops) and all(op in _OPS for op in self.ops), owner, "ops", self.ops,
               f"a non-empty subset of {_OPS}")
         check(isinstance(self.num_steps, int) and 1 <= self.num_steps <= 4, owner, "num_steps",
@@ -149,8 +158,12 @@ class CalculatorEnv(ToolEnvironment):
             max_turns=self.config.max_turns,
         )
 
-    def sample_task(self, seed: int) -> Task:
-        return make_problem(random.Random(seed), self.config)
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        """A problem of `split`: the split is a hash of its arithmetic (names and items aside),
+        so no evaluation sum is ever trained on under another name."""
+        return draw_in_split(lambda rng: make_problem(rng, self.config), random.Random(seed),
+                             split, self.config.eval_fraction, owner="CalculatorEnv",
+                             key=lambda task: task.info["expression"])
 
     def demonstration(self, task: Task) -> list[Message]:
         expression = task.info["expression"]

@@ -16,7 +16,15 @@ import random
 import re
 from typing import Literal
 
-from nonstop.agentic.environment import AgentAction, Environment, Observation, StepResult, Task
+from nonstop.agentic.environment import (
+    AgentAction,
+    Environment,
+    Observation,
+    Split,
+    StepResult,
+    Task,
+    draw_in_split,
+)
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
 from nonstop.models.validation import check, check_int, check_ints
@@ -37,9 +45,12 @@ class GridWorldConfig:
     max_steps: int = 16
     goal_reward: float = 1.0
     step_penalty: float = 0.02
+    eval_fraction: float = 0.1  # layouts held out for evaluation (by a hash of the layout)
 
     def __post_init__(self) -> None:
         owner = "GridWorldConfig"
+        check(isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0, owner,
+              "eval_fraction", self.eval_fraction, "a float in (0, 1), exclusive")
         check_ints(owner, self, ("height", "width"), low=2)
         most = self.height * self.width - 2  # the start and the goal stay free
         check(isinstance(self.num_walls, int) and 0 <= self.num_walls <= most, owner, "num_walls",
@@ -110,8 +121,10 @@ class GridWorldEnv(Environment):
         self.steps = 0
         self.done = False
 
-    def sample_task(self, seed: int) -> Task:
-        return make_layout(random.Random(seed), self.config)
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        """A layout of `split` (the rendered grid, start to goal and walls, is what is hashed)."""
+        return draw_in_split(lambda rng: make_layout(rng, self.config), random.Random(seed),
+                             split, self.config.eval_fraction, owner="GridWorldEnv")
 
     async def reset(self, task: Task | None = None, *, seed: int = 0) -> Observation:
         self.task = task if task is not None else self.sample_task(seed)

@@ -13,11 +13,17 @@ import dataclasses
 import random
 import signal
 
-from nonstop.agentic.environment import Task, ToolEnvironment, numeric_reward
+from nonstop.agentic.environment import (
+    Split,
+    Task,
+    ToolEnvironment,
+    draw_in_split,
+    numeric_reward,
+)
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
-from nonstop.models.validation import check_int
+from nonstop.models.validation import check, check_int
 
 # (question, reference code) templates; the code prints the answer.
 _TEMPLATES = (
@@ -97,10 +103,18 @@ def python_tool(sandbox: Sandbox, *, timeout_s: float = 60.0) -> Tool:
 class PythonEnvConfig:
     max_n: int = 60
     max_turns: int = 4
+    eval_fraction: float = 0.1  # questions held out for evaluation (by a hash of the question)
 
     def __post_init__(self) -> None:
         check_int("PythonEnvConfig", "max_n", self.max_n, low=10)
         check_int("PythonEnvConfig", "max_turns", self.max_turns)
+        check(
+            isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0,
+            "PythonEnvConfig",
+            "eval_fraction",
+            self.eval_fraction,
+            "a float in (0, 1), exclusive",
+        )
 
 
 def reference_answer(code: str) -> str:
@@ -152,8 +166,15 @@ class PythonEnv(ToolEnvironment):
             max_turns=self.config.max_turns,
         )
 
-    def sample_task(self, seed: int) -> Task:
-        return make_task(random.Random(seed), self.config)
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        """A question of `split` (by a hash of the question)."""
+        return draw_in_split(
+            lambda rng: make_task(rng, self.config),
+            random.Random(seed),
+            split,
+            self.config.eval_fraction,
+            owner="PythonEnv",
+        )
 
     def demonstration(self, task: Task) -> list[Message]:
         call = ToolCall(name="python", arguments={"code": task.info["code"]}, id="call_0")

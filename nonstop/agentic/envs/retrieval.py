@@ -4,7 +4,8 @@ The documents are either generated from a seed — short fact sheets about inven
 model can know the answers without searching — or read from a directory of .txt files (then the
 tasks, with their answers, are given too). `search(query)` returns the top documents by Okapi
 BM25 (k1=1.5, b=0.75, lower-cased word tokens). The reward is 1 when the answer's words appear,
-in order, in the final reply.
+in order, in the final reply. Questions are split into training and held-out ones by a hash of
+the question (`eval_fraction`), so evaluation asks only questions training never asked.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from nonstop.agentic.environment import Task, ToolEnvironment
+from nonstop.agentic.environment import SPLITS, Split, Task, ToolEnvironment, check_split, split_of
 from nonstop.agentic.tools import Tool, ToolSet
 from nonstop.models.chat import Message, ToolCall
 
@@ -133,6 +134,7 @@ class RetrievalEnv(ToolEnvironment):
         top_k: int = 3,
         max_turns: int = 4,
         index: BM25Index | None = None,
+        eval_fraction: float = 0.25,
     ):
         if (documents is None) != (tasks is None):
             raise ValueError("RetrievalEnv: give both documents and tasks, or neither")
@@ -140,14 +142,31 @@ class RetrievalEnv(ToolEnvironment):
             documents, tasks = generate_corpus(corpus_seed)
         if not tasks:
             raise ValueError("RetrievalEnv: tasks must not be empty")
+        if not 0.0 < eval_fraction < 1.0:
+            raise ValueError(
+                f"RetrievalEnv.eval_fraction={eval_fraction!r} is invalid; "
+                "expected a number in (0, 1), exclusive"
+            )
         self.tasks = list(tasks)
+        self.eval_fraction = eval_fraction
+        self.splits: dict[Split, list[Task]] = {
+            split: [t for t in self.tasks if split_of(t.prompt, eval_fraction) == split]
+            for split in SPLITS
+        }
         self.index = index or BM25Index(documents)  # share one index across episodes
         self.top_k = top_k
         super().__init__(tools=ToolSet([search_tool(self.index, k=top_k)]),
                          reward_fn=contains_answer, max_turns=max_turns)  # fmt: skip
 
-    def sample_task(self, seed: int) -> Task:
-        return random.Random(seed).choice(self.tasks)
+    def sample_task(self, seed: int, split: Split = "train") -> Task:
+        """A question of `split` (by a hash of the question)."""
+        check_split(split)
+        if not self.splits[split]:
+            raise ValueError(
+                f"RetrievalEnv.eval_fraction={self.eval_fraction} leaves no {split} "
+                f"question among {len(self.tasks)}; change it or add tasks"
+            )
+        return random.Random(seed).choice(self.splits[split])
 
     def demonstration(self, task: Task) -> list[Message]:
         call = ToolCall(name="search", arguments={"query": task.prompt}, id="call_0")

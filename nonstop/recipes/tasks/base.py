@@ -5,24 +5,23 @@ held-out evaluation, scores completions with its `reward`, and writes a correct 
 example (`demonstration`) so a model can be warmed up with SFT before RL.
 
 Generated tasks split their problem space, not their sample streams: a problem belongs to the eval
-split when a stable hash of its prompt falls below `eval_fraction`. Training and evaluation
-therefore never share a problem, whatever seeds or sizes are asked for.
+split when a stable hash of its prompt falls below `eval_fraction` (`split_of`, the same rule
+the built-in agentic environments use). Training and evaluation therefore never share a problem,
+whatever seeds or sizes are asked for.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import itertools
 import random
 from collections.abc import Iterator
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from nonstop.agentic.environment import Split, split_of
 from nonstop.models.validation import check
 from nonstop.rl.rewards import Example, Reward
-
-Split = Literal["train", "eval"]
 
 
 class TaskError(ValueError):
@@ -58,12 +57,6 @@ class Task(Protocol):
     def demonstration(self, example: Example) -> str:
         """A completion that scores 1.0 under `reward`, for SFT warm-up."""
         ...
-
-
-def split_of(prompt: str, eval_fraction: float) -> Split:
-    """The split a problem belongs to: a stable hash of its prompt, independent of any seed."""
-    digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
-    return "eval" if int.from_bytes(digest, "big") / 2**64 < eval_fraction else "train"
 
 
 def seeded_rng(task: str, split: Split, seed: int) -> random.Random:
