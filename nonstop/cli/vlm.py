@@ -21,9 +21,13 @@ NONSTOP_NUM_PROCESSES and NONSTOP_PROCESS_ID, or NONSTOP_DISTRIBUTED=auto) every
 same command and the mesh covers all of their devices, as for `nonstop sft` (docs/scaling.md).
 
 A run directory records the resolved config (config.yaml), metrics (metrics.jsonl,
-tensorboard/; RUN_DIR/process_N for the other processes), the perf trace and, at the end,
-export/ (a Hugging Face checkpoint with the tokenizer and preprocessor_config.json). There are no
-checkpoints and no resume yet. Bad input — an unknown key, a bad value, a malformed data line, a
+tensorboard/; RUN_DIR/process_N for the other processes), the data lines each step trained on
+(examples.jsonl), the perf trace, Orbax checkpoints (checkpoints/: adapters, optimizer state,
+step, RNG and data cursor, every checkpoint.save_every steps and after the last) and, at the
+end, export/ (a Hugging Face checkpoint with the tokenizer and preprocessor_config.json).
+SIGTERM checkpoints the current step and exits with status 143; running the same command again,
+or `nonstop vlm --resume RUN_DIR`, continues from the latest checkpoint exactly as if never
+stopped. Bad input — an unknown key, a bad value, a malformed data line, a
 missing or unreadable image, an example longer than seq_len, a mesh the batch or the devices do
 not fit — stops the run with a message naming the key or the file and line (exit status 2).
 """
@@ -31,6 +35,7 @@ not fit — stops the run with a message naming the key or the file and line (ex
 from __future__ import annotations
 
 import argparse
+import sys
 
 from nonstop.cli.config_command import (
     add_config_command,
@@ -39,6 +44,7 @@ from nonstop.cli.config_command import (
     report_error,
 )
 
+STOPPED_EXIT = 128 + 15  # stopped by SIGTERM, checkpoint written
 COMMAND = "nonstop vlm"
 
 
@@ -47,14 +53,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return add_config_command(subparsers, "vlm", help="SFT or DPO of a Gemma 3 vision-language "
                               "model (LoRA)", description=__doc__,
                               config_class="nonstop.sft.vision_trainer:VisionTrainConfig",
-                              run=run)
+                              run=run, resume=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train as configured; returns the process exit code."""
     # Imported here so that `nonstop vlm --help` does not pay for JAX.
+    from nonstop.recipes.learner_state import TerminationGuard
     from nonstop.recipes.run import start_run
-    from nonstop.sft.vision_trainer import VisionTrainConfig, train_vision
+    from nonstop.sft.vision_trainer import CHECKPOINT_DIR, VisionTrainConfig, train_vision
 
     cfg = load_or_report(VisionTrainConfig, args, COMMAND)
     if cfg is None:
@@ -63,11 +70,20 @@ def run(args: argparse.Namespace) -> int:
         return print_config(cfg)
     try:
         start_run(cfg, cfg.run_dir)
-        result = train_vision(cfg)
+        with TerminationGuard() as guard:
+            result = train_vision(cfg, stop_requested=lambda: guard.requested)
     except (ValueError, TypeError, KeyError, FileNotFoundError) as error:
         # ValueError covers ConfigError, CheckpointError, VisionDataError and ImageError.
         return report_error(COMMAND, error)
+    if result.stopped:
+        saved = cfg.checkpoint.in_run(cfg.run_dir, CHECKPOINT_DIR).directory
+        print(f"{COMMAND}: stopped by SIGTERM after step {result.last_step} of {cfg.steps}; "
+              f"checkpoint written to {saved}. Run the same command again to resume",
+              file=sys.stderr)
+        return STOPPED_EXIT
     loss = f"{result.losses[-1]:.4g}" if result.losses else "n/a"
-    print(f"{COMMAND} ({cfg.kind}): {result.run_dir}: {len(result.losses)} steps, loss {loss}"
+    resumed = f" (resumed after step {result.start_step})" if result.start_step else ""
+    print(f"{COMMAND} ({cfg.kind}): {result.run_dir}: {len(result.losses)} steps{resumed}, "
+          f"loss {loss}"
           + (f", exported to {result.export_dir}" if result.export_dir else ""))
     return 0

@@ -13,6 +13,17 @@ then the one jitted step of `make_train_step` (the optimizer and schedule of
 finally, with `export`, merge the adapters and write a checkpoint transformers loads to
 RUN_DIR/export, with the tokenizer and `preprocessor_config.json` beside it.
 
+Checkpoints are the text trainer's (`nonstop.train.Checkpointer`: Orbax, atomic, asynchronous)
+in RUN_DIR/checkpoints every `checkpoint.save_every` steps, after the last step, and when
+`stop_requested()` turns true (the CLI's SIGTERM): the trainable params (the adapters), the
+optimizer state, the step and the RNG key, with the data cursor as JSON — how many examples of
+the `ExampleOrder` stream were consumed, plus the data file's size and SHA-256 so that a resume
+on other data is refused. Run again on the same RUN_DIR, `train_vision` restores the latest
+complete checkpoint and continues exactly: the same batches, the same dropout keys, the same
+parameters as a run never stopped. Which data lines each step trained on is logged to
+RUN_DIR/examples.jsonl (steps after the restored checkpoint are dropped on resume, like
+metrics.jsonl's).
+
 The mesh is the text trainer's: `mesh.data x mesh.fsdp x mesh.tp` devices (the first ones; one
 device, no mesh, by default). A batch's rows are split over ("data", "fsdp"), and so is its image
 array on its own leading axis (`max_images`, not rows: images are a flat list merged into the
@@ -30,7 +41,7 @@ Metrics per step: loss, learning_rate, grad_norm, the loss's denominator (`loss_
 tokens_per_second, images (real images in the batch), and for DPO the DPO metrics.
 
 Departures from the text trainer (`trainer.py`): no packing (an example per row), no
-checkpoints or resume, no gradient accumulation, and every image is decoded up front into host
+gradient accumulation, and every image is decoded up front into host
 memory (on every process) — what the text trainer's Grain pipeline adds is not yet wired to
 images.
 """
@@ -39,10 +50,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +85,8 @@ from nonstop.sft.vision_data import (
 )
 from nonstop.sft.vision_preference import read_vision_preference, vision_dpo_loss_fn
 from nonstop.train import distributed
-from nonstop.train.metrics import MetricsConfig, MetricsWriter
+from nonstop.train.checkpoint import CheckpointConfig, Checkpointer, Restored
+from nonstop.train.metrics import MetricsConfig, MetricsWriter, truncate_jsonl
 from nonstop.train.optim import OptimizerConfig
 from nonstop.train.state import TrainState
 from nonstop.train.step import LossFn, StepSetup, setup_train_step
@@ -80,6 +94,8 @@ from nonstop.train.step import LossFn, StepSetup, setup_train_step
 VisionTask = Literal["sft", "dpo"]
 Dtype = Literal["float32", "bfloat16"]
 EXPORT_DIR = "export"
+CHECKPOINT_DIR = "checkpoints"
+EXAMPLES_LOG = "examples.jsonl"  # per step: the data lines (1-based) its batch held
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +120,9 @@ class VisionTrainConfig:
     vision_lora: bool = False  # also adapt the vision tower's attention (q, k, v, o)
     dpo: DPOConfig = DPOConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # RUN_DIR/checkpoints every save_every steps, after the last step and on SIGTERM; rerunning
+    # on the same run_dir (or `nonstop vlm --resume RUN_DIR`) continues from the latest.
+    checkpoint: CheckpointConfig = CheckpointConfig(save_every=500, keep_last=3)
     mesh: MeshShape = MeshShape()  # data x fsdp x tp devices; the default is one device
     seed: int = 0
     export: bool = True  # merge the adapters and save_pretrained into RUN_DIR/export
@@ -141,8 +160,11 @@ class VisionTrainResult:
     model: Gemma3VLM  # adapters merged when exported, still wrapped otherwise
     # (exported under several processes: gathered host copies on every process)
     losses: list[float]
-    metrics: list[dict[str, float]]  # the records written to metrics.jsonl, one per step
+    metrics: list[dict[str, float]]  # the records this call wrote to metrics.jsonl, one a step
     export_dir: str | None
+    start_step: int = 0  # 0, or the checkpoint step it resumed from
+    last_step: int = 0  # the last step taken
+    stopped: bool = False  # stop_requested() ended it early, after a checkpoint (no export)
 
 
 def load_vision_tokenizer(cfg: VisionTrainConfig) -> Tokenizer:
@@ -151,9 +173,12 @@ def load_vision_tokenizer(cfg: VisionTrainConfig) -> Tokenizer:
 
 
 def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder | None = None,
-                 processor: ImageProcessor | None = None) -> VisionTrainResult:
-    """Run the whole training; `tokenizer` defaults to `load_vision_tokenizer(cfg)` and
-    `processor` to the checkpoint's preprocessor config.
+                 processor: ImageProcessor | None = None,
+                 stop_requested: Callable[[], bool] | None = None) -> VisionTrainResult:
+    """Run (or resume, from RUN_DIR's latest checkpoint) the whole training; `tokenizer`
+    defaults to `load_vision_tokenizer(cfg)` and `processor` to the checkpoint's preprocessor
+    config. `stop_requested()` is asked after each step: once true, the run checkpoints that
+    step and returns with `stopped=True` (the CLI wires it to SIGTERM).
 
     Under several processes (NONSTOP_COORDINATOR_ADDRESS... or NONSTOP_DISTRIBUTED=auto, see
     `nonstop.train.distributed`) every process calls it with the same config."""
@@ -169,7 +194,7 @@ def train_vision(cfg: VisionTrainConfig, *, tokenizer: TextEncoder | None = None
                  if perf.active_run_dir() is None else contextlib.nullcontext())
     with recording:
         return _train(cfg, tokenizer if tokenizer is not None else load_vision_tokenizer(cfg),
-                      processor)
+                      processor, stop_requested)
 
 
 def build_vision_model(cfg: VisionTrainConfig, tokenizer: TextEncoder) -> Gemma3VLM:
@@ -209,13 +234,16 @@ def read_examples(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: TextEncod
     return examples
 
 
+def example_lines(data_path: str) -> list[int]:
+    """The 1-based line of each example: the readers make one of each non-blank line, in order."""
+    return [n for n, line in enumerate(Path(data_path).read_text().splitlines(), start=1)
+            if line.strip()]
+
+
 def check_fits(cfg: VisionTrainConfig, examples: list[VisionExample]) -> None:
     """Every example fits a row and a batch's images, checked before training starts (not at
     the step that first draws it); errors name the file and line."""
-    # The readers make one example of each non-blank line, in order.
-    lines = [n for n, line in enumerate(Path(cfg.data_path).read_text().splitlines(), start=1)
-             if line.strip()]
-    for example, lineno in zip(examples, lines, strict=True):
+    for example, lineno in zip(examples, example_lines(cfg.data_path), strict=True):
         where = f"{cfg.data_path}:{lineno}"
         if len(example.tokens) > cfg.seq_len:
             raise VisionDataError(f"{where}: the example has {len(example.tokens)} tokens (image "
@@ -233,7 +261,12 @@ def make_loss_fn(cfg: VisionTrainConfig) -> LossFn:
         return loss_fn
 
     def with_dropout(model: nnx.Module, batch: VisionBatch, rng: jax.Array):
-        # A fresh LoRA dropout mask each step from the step's key, as the text trainer does.
+        # A fresh LoRA dropout mask each step from the step's key. The step merges the model
+        # inside its gradient trace from variables of the enclosing jit trace, which NNX refuses
+        # to mutate (TraceContextError); a copy made here, at the gradient's level, may be
+        # reseeded, and the gradient still reaches the adapters through the same arrays.
+        graphdef, variables = nnx.split(model)
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: x, variables))
         nnx.reseed(model, dropout=rng)
         return loss_fn(model, batch, rng)
 
@@ -263,8 +296,61 @@ def flops_per_example(model: Gemma3VLM) -> tuple[int, int]:
     return 6 * model.cfg.num_params(), 6 * vision_params * patches
 
 
-def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProcessor | None
-           ) -> VisionTrainResult:
+class ExampleOrder:
+    """The order examples are drawn in: epoch after epoch, each a fresh permutation of
+    RandomState(seed), a batch taking the next `batch_size` (a batch never spans two epochs'
+    draws unless the current one runs short: then the next permutation is appended first). The
+    whole position is `consumed`, the number of examples taken so far: `skip(consumed)` replays
+    the permutations drawn before it, so a resumed run takes the same batches."""
+
+    def __init__(self, num_examples: int, seed: int) -> None:
+        self.num_examples = num_examples
+        self.consumed = 0
+        self._rng = np.random.RandomState(seed)
+        self._pending: list[int] = []
+
+    def take(self, n: int) -> list[int]:
+        """The next `n` example indices (fewer only when there are fewer than `n` examples)."""
+        if len(self._pending) < n:
+            self._pending += self._rng.permutation(self.num_examples).tolist()
+        taken, self._pending = self._pending[:n], self._pending[n:]
+        self.consumed += len(taken)
+        return taken
+
+    def skip(self, consumed: int) -> None:
+        """Move a fresh order to position `consumed` (what `take` calls would have drawn)."""
+        while len(self._pending) < consumed - self.consumed:
+            self._pending += self._rng.permutation(self.num_examples).tolist()
+        skipped = consumed - self.consumed
+        self._pending, self.consumed = self._pending[skipped:], consumed
+
+
+def data_fingerprint(data_path: str, num_examples: int) -> dict[str, Any]:
+    """What a checkpoint records of its data, so that a resume on another file is refused."""
+    digest = hashlib.sha256(Path(data_path).read_bytes()).hexdigest()
+    return {"num_examples": num_examples, "data_sha256": digest}
+
+
+def resume_position(cfg: VisionTrainConfig, restored: Restored,
+                    fingerprint: dict[str, Any]) -> int:
+    """The examples consumed up to the restored checkpoint, after checking that it was written
+    by a run of the same kind on the same data."""
+    data, meta = restored.data_state or {}, restored.metadata or {}
+    directory = cfg.checkpoint.in_run(cfg.run_dir, CHECKPOINT_DIR).directory
+    where = f"the checkpoint of step {restored.step} in {directory}"
+    if meta.get("kind", cfg.kind) != cfg.kind:
+        raise ValueError(f"kind={cfg.kind!r}, but {where} is of a kind={meta['kind']!r} run; "
+                         "resume with the same kind or start a new run_dir")
+    for key, value in fingerprint.items():
+        if data.get(key) != value:
+            raise ValueError(f"data_path={cfg.data_path!r} is not the data {where} was trained "
+                             f"on ({key} {data.get(key)!r}, now {value!r}); resume with the same "
+                             "file or start a new run_dir")
+    return int(data["examples_consumed"])
+
+
+def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProcessor | None,
+           stop_requested: Callable[[], bool] | None) -> VisionTrainResult:
     mesh = build_mesh(cfg)
     # Loaded onto one device, then placed on the mesh with the optimizer state (put_global).
     model = build_vision_model(cfg, tokenizer)
@@ -276,38 +362,76 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
     setup = setup_train_step(model, make_loss_fn(cfg), cfg.optimizer, seed=cfg.seed,
                              wrt=nnx.LoRAParam, mesh=mesh)
     del model
-    state = setup.state
     denominator = "pairs" if cfg.kind == "dpo" else "loss_tokens"
-    rng = np.random.RandomState(cfg.seed)
-    order: list[int] = []
+    lines = example_lines(cfg.data_path)
+    fingerprint = data_fingerprint(cfg.data_path, len(examples))
+    order = ExampleOrder(len(examples), cfg.seed)
+    checkpointer = Checkpointer(cfg.checkpoint.in_run(cfg.run_dir, CHECKPOINT_DIR))
+    state, start = setup.state, 0
+    restored = checkpointer.restore(state)
+    if restored is not None:
+        order.skip(resume_position(cfg, restored, fingerprint))
+        state, start = restored.state, restored.step
+    own_dir = distributed.process_run_dir(cfg.run_dir)
+    examples_log = Path(own_dir) / EXAMPLES_LOG
+    truncate_jsonl(str(examples_log), start)  # a fresh run keeps none of an old one's
+
+    def save(step: int, force: bool) -> None:
+        checkpointer.save(step, state, force=force, metadata={"kind": cfg.kind},
+                          data_state={"examples_consumed": order.consumed, **fingerprint})
+
     records: list[dict[str, float]] = []
-    writer = MetricsWriter(distributed.process_run_dir(cfg.run_dir), cfg.metrics,
-                           total_steps=cfg.steps, run_config=dataclasses.asdict(cfg))
-    with writer:
-        for step in range(1, cfg.steps + 1):
-            with perf.span(perf.TRAIN_DATA_WAIT, step=step):
-                if len(order) < cfg.batch_size:  # a new epoch: reshuffle
-                    order += rng.permutation(len(examples)).tolist()
-                take, order = order[:cfg.batch_size], order[cfg.batch_size:]
-                chosen = [examples[i] for i in take]
-                batch = make_vision_batch(chosen, seq_len=cfg.seq_len,
-                                          max_images=cfg.max_images)
-            with perf.span(perf.TRAIN_STEP, step=step):
-                placed = setup.put(batch)
-                with perf.device_busy(perf.TRAINER, step=step):
-                    state, metrics = setup.step(state, placed)
-                    metrics["loss"].block_until_ready()
-            tokens = int(np.count_nonzero(batch.segment_ids))
-            images = sum(len(ex.images) for ex in chosen)
-            perf.count(perf.TRAIN_TOKENS, tokens)
-            perf.count(perf.TRAIN_FLOPS, flops_per_token * tokens + flops_per_image * images)
-            metrics[denominator] = metrics.pop("tokens")
-            written = writer.write(step, {**metrics, "tokens": tokens, "images": images})
+    step, stopped = start, False
+    writer = MetricsWriter(own_dir, cfg.metrics, total_steps=cfg.steps,
+                           resume_step=start if restored is not None else None,
+                           run_config=dataclasses.asdict(cfg))
+    try:
+        with writer, examples_log.open("a") as log:
+            for step in range(start + 1, cfg.steps + 1):
+                with perf.span(perf.TRAIN_DATA_WAIT, step=step):
+                    take = order.take(cfg.batch_size)
+                    chosen = [examples[i] for i in take]
+                    batch = make_vision_batch(chosen, seq_len=cfg.seq_len,
+                                              max_images=cfg.max_images)
+                with perf.span(perf.TRAIN_STEP, step=step):
+                    placed = setup.put(batch)
+                    with perf.device_busy(perf.TRAINER, step=step):
+                        state, metrics = setup.step(state, placed)
+                        metrics["loss"].block_until_ready()
+                tokens = int(np.count_nonzero(batch.segment_ids))
+                images = sum(len(ex.images) for ex in chosen)
+                perf.count(perf.TRAIN_TOKENS, tokens)
+                perf.count(perf.TRAIN_FLOPS, flops_per_token * tokens + flops_per_image * images)
+                metrics[denominator] = metrics.pop("tokens")
+                written = writer.write(step, {**metrics, "tokens": tokens, "images": images})
+                if written is not None:
+                    records.append(written)
+                log.write(json.dumps({"step": step, "lines": [lines[i] for i in take]}) + "\n")
+                log.flush()  # on disk before any checkpoint of this step
+                stopped = stop_requested is not None and stop_requested()
+                if jax.process_count() > 1:  # all processes stop at the same step
+                    stopped = bool(distributed.max_over_processes(int(stopped)))
+                if checkpointer.should_save(step) or stopped:
+                    written = writer.flush()  # every metric up to a checkpoint is on disk first
+                    if written is not None:
+                        records.append(written)
+                    with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+                        save(step, force=stopped)
+                if stopped:
+                    break
+            written = writer.flush()
             if written is not None:
                 records.append(written)
-        written = writer.flush()
-        if written is not None:
-            records.append(written)
+        with perf.span(perf.TRAIN_CHECKPOINT, step=step):
+            save(step, force=True)  # a no-op when this step is saved already
+            checkpointer.wait()
+    finally:
+        checkpointer.close()
+    losses = [r["loss"] for r in records]
+    if stopped:
+        return VisionTrainResult(run_dir=cfg.run_dir, model=state.model(), losses=losses,
+                                 metrics=records, export_dir=None, start_step=start,
+                                 last_step=step, stopped=True)
     export_dir = None
     if cfg.export:
         if jax.process_count() > 1:  # gathering the weights to every host is collective
@@ -321,9 +445,8 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
         distributed.barrier("nonstop.vlm.export")
     else:
         model = state.model()
-    return VisionTrainResult(run_dir=cfg.run_dir, model=model,
-                             losses=[r["loss"] for r in records], metrics=records,
-                             export_dir=export_dir)
+    return VisionTrainResult(run_dir=cfg.run_dir, model=model, losses=losses, metrics=records,
+                             export_dir=export_dir, start_step=start, last_step=step)
 
 
 def merge_vision_adapters(model: Gemma3VLM) -> Gemma3VLM:
@@ -347,6 +470,7 @@ def export_vision_model(cfg: VisionTrainConfig, model: Gemma3VLM, tokenizer: Tex
     return directory
 
 
-__all__ = ["EXPORT_DIR", "VisionTrainConfig", "VisionTrainResult",
+__all__ = ["CHECKPOINT_DIR", "EXAMPLES_LOG", "EXPORT_DIR", "ExampleOrder", "VisionTrainConfig",
+           "VisionTrainResult",
            "build_mesh", "build_vision_model", "export_vision_model", "load_vision_tokenizer",
            "merge_vision_adapters", "setup_step", "train_vision"]

@@ -34,8 +34,11 @@ TINY = ["steps=2", "batch_size=2", "seq_len=24", "max_images=2", "dtype=float32"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_vlm(tmp_path_factory.mktemp("tiny_gemma3_vlm"))
+
+
+def write_tiny_vlm(directory: Path) -> Path:
     """A random Gemma3ForConditionalGeneration with its tokenizer and preprocessor config."""
-    directory = tmp_path_factory.mktemp("tiny_gemma3_vlm")
     base = hf_vlm_config()
     text = {**base.text_config.to_dict(), "vocab_size": VOCAB, "bos_token_id": 2,
             "eos_token_id": 1, "pad_token_id": 0}
