@@ -31,7 +31,7 @@ import numpy as np
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig
 from nonstop.agentic.trajectory_builder import Interaction
-from nonstop.engine import Engine, SamplingParams
+from nonstop.engine import RolloutClient, SamplingParams
 from nonstop.rl.trajectory import Trajectory
 
 EpisodeStatus = Literal["done", "max_turns", "max_tokens", "context_full", "timeout", "error"]
@@ -52,7 +52,7 @@ def derive_seed(*keys: int) -> int:
 class Agent:
     """Runs episodes on one engine with one `AgentConfig`; safe to share between tasks."""
 
-    def __init__(self, engine: Engine, config: AgentConfig | None = None) -> None:
+    def __init__(self, engine: RolloutClient, config: AgentConfig | None = None) -> None:
         self.engine = engine
         self.config = config or AgentConfig()
         limit = engine.config.max_len

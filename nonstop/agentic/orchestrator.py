@@ -35,7 +35,7 @@ from nonstop.agentic.agent import Agent, derive_seed
 from nonstop.agentic.config import OrchestratorConfig
 from nonstop.agentic.group_queue import GroupQueue
 from nonstop.agentic.trajectory_builder import Interaction
-from nonstop.engine import Engine
+from nonstop.engine import RolloutClient
 from nonstop.rl.trajectory import Trajectory
 
 LOOP_LAG = "rollout/loop_lag_ms"  # gauge: how late a sleeping task woke, in ms
@@ -68,7 +68,7 @@ class Admission(Protocol):
 class RolloutOrchestrator:
     """Runs groups of episodes concurrently; see the module docstring."""
 
-    def __init__(self, engine: Engine, make_interaction: InteractionFactory,
+    def __init__(self, engine: RolloutClient, make_interaction: InteractionFactory,
                  config: OrchestratorConfig | None = None, *, queue: GroupQueue | None = None,
                  admission: Admission | None = None) -> None:
         self.engine = engine

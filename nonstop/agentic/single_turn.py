@@ -26,7 +26,7 @@ import numpy as np
 from nonstop import perf
 from nonstop.agentic.orchestrator import EpisodeSpec
 from nonstop.agentic.trajectory_builder import Interaction, TurnResult
-from nonstop.engine import Engine, FinishReason, SamplingParams
+from nonstop.engine import FinishReason, RolloutClient, SamplingParams
 from nonstop.models import Tokenizer
 from nonstop.rl.prompts import PromptFormat, answer_text, encode_prompt
 from nonstop.rl.rewards import Example, OnError, Reward, RewardError, evaluate_rewards
@@ -134,7 +134,7 @@ class PromptEpisodes:
         raise self.fatal.result()
 
 
-async def greedy_reward(engine: Engine, tokenizer: Tokenizer, examples: Sequence[Example],
+async def greedy_reward(engine: RolloutClient, tokenizer: Tokenizer, examples: Sequence[Example],
                         reward: Reward, *, max_new_tokens: int, prompt_format: PromptFormat = "raw",
                         add_bos: bool = False, step: int | None = None) -> float:
     """Mean reward of greedy completions of `examples` (a failed reward scores 0)."""

@@ -42,7 +42,7 @@ from nonstop import perf
 from nonstop.agentic.config import StreamingLearnerConfig
 from nonstop.agentic.group_queue import GroupQueue, ScoredGroup, advantages_of
 from nonstop.agentic.orchestrator import InteractionFactory, RolloutOrchestrator
-from nonstop.engine import Engine
+from nonstop.engine import RolloutEngine
 from nonstop.rl.policy_trainer import PolicyTrainer
 from nonstop.rl.trajectory import Trajectory
 from nonstop.train import distributed
@@ -185,7 +185,7 @@ SOLVED_REWARD = 1.0  # an episode scoring at least this solved its task (built-i
 
 
 class _Learner:
-    def __init__(self, trainer: PolicyTrainer, engine: Engine, make_interaction:
+    def __init__(self, trainer: PolicyTrainer, engine: RolloutEngine, make_interaction:
                  InteractionFactory, config: StreamingLearnerConfig | None = None, *,
                  on_step: StepHook | None = None) -> None:
         """`on_step(record)` is awaited after each step (its weights pushed, if due), before the

@@ -49,7 +49,7 @@ from nonstop.models.tool_parsers import TOOL_PARSERS, get_parser
 from nonstop.models.validation import check, check_choice, check_int
 
 if TYPE_CHECKING:
-    from nonstop.engine.engine import Engine
+    from nonstop.engine.protocol import ServingEngine
     from nonstop.engine.scoring import Scorer, Scores
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class OpenAIServing:
     `TOOL_PARSERS`; None: chat tool calls stay text and `tools` are refused) reads tool calls.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, *, model_name: str, max_len: int,
+    def __init__(self, engine: ServingEngine, tokenizer: Tokenizer, *, model_name: str, max_len: int,
                  scorer: Scorer | None = None, tool_parser: str | None = None,
                  api_key: str | None = None):
         self._engine = engine

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nonstop.engine.engine import Engine
+    from nonstop.engine.protocol import ServingEngine
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -56,7 +56,7 @@ class Metrics:
         key = (endpoint, status)
         self.requests[key] = self.requests.get(key, 0) + 1
 
-    def render(self, engine: Engine | None) -> str:
+    def render(self, engine: ServingEngine | None) -> str:
         lines = ["# HELP nonstop_requests_total HTTP requests answered, by endpoint and status.",
                  "# TYPE nonstop_requests_total counter"]
         for (endpoint, status), n in sorted(self.requests.items()):

@@ -47,7 +47,7 @@ from nonstop.agentic.streaming import (
     process_group_ids,
 )
 from nonstop.agentic.trajectory_builder import ChatInteraction
-from nonstop.engine import Engine, EngineConfig, gc_heap_frozen
+from nonstop.engine import Engine, EngineConfig, RolloutClient, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
@@ -252,7 +252,7 @@ def check_prompts_fit(cfg: AgenticRunConfig, tokenizer: Tokenizer) -> None:
               f"room for the answer (e.g. {key}={length + cfg.agent.max_episode_tokens})")
 
 
-async def held_out_rewards(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+async def held_out_rewards(engine: RolloutClient, cfg: AgenticRunConfig, tokenizer: Tokenizer,
                            new_env: Callable[[], Environment] | None = None, *,
                            samples: int = 1, greedy: bool = True, step: int | None = None
                            ) -> list[list[float]]:
@@ -279,7 +279,7 @@ async def _over_tasks(values: list[float], cfg: AgenticRunConfig) -> float:
     return float(np.mean(values)) if values else 0.0
 
 
-async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+async def solve_rate(engine: RolloutClient, cfg: AgenticRunConfig, tokenizer: Tokenizer,
                      new_env: Callable[[], Environment] | None = None, *,
                      step: int | None = None) -> float:
     """Mean reward of greedy episodes on the held-out tasks."""
@@ -287,7 +287,7 @@ async def solve_rate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer
     return await _over_tasks([r[0] for r in rewards], cfg)
 
 
-async def evaluate(engine: Engine, cfg: AgenticRunConfig, tokenizer: Tokenizer,
+async def evaluate(engine: RolloutClient, cfg: AgenticRunConfig, tokenizer: Tokenizer,
                    new_env: Callable[[], Environment] | None = None, *,
                    step: int | None = None) -> dict[str, float]:
     """`solve_rate` (greedy) and, with `cfg.pass_k`, `pass@k` on the held-out tasks."""
