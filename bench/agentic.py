@@ -24,6 +24,21 @@ what it sees; the whole-run figures also charge each run's ramp-up and drain, wh
 
     python -m bench.agentic [--out results.jsonl] [--quick] [--repeats 3] [--slots 64]
                             [--latencies 200ms 1000ms] [--seconds 20]
+
+KV layouts and the prefix cache (one run, side by side; each combination its own engine):
+`--kv-layout dense paged` and `--prefix-cache on off` run every combination (paged only for
+`off`); `--system-prompt-tokens 1000` puts the same 1,000 tokens before every episode's prompt
+(a system prompt and tool schemas), `--kv-cache-tokens` sizes the paged pool (default: the dense
+cache, slots x max_len) and `--max-len` the positions per sequence. Each row then also reports
+the prompt tokens the engine was given and computed, the share served from the prefix cache
+(`prefix_hit_rate`: first turns' tokens found there) and from sessions' kept blocks or rows
+(`cached_rate`: all prompt tokens not computed), evictions, preemptions and the most episodes in
+flight at once.
+
+    python -m bench.agentic --kv-layout paged --prefix-cache on off \
+        --system-prompt-tokens 1000 --latencies 200ms --seconds 8 --repeats 1
+    python -m bench.agentic --kv-layout dense paged --max-len 512 --kv-cache-tokens 32768 \
+        --parked-slots 0 --latencies 1000ms lognormal3s --seconds 10 --repeats 1
 """
 
 from __future__ import annotations
@@ -51,7 +66,8 @@ from nonstop.models import ModelConfig, init_decoder
 PROMPT, TURNS, TURN_TOKENS, TOOL_TOKENS = 8, 3, 16, 4
 LATENCIES: dict[str, tuple[str, float]] = {
     "0ms": ("fixed", 0.0), "50ms": ("fixed", 0.05), "200ms": ("fixed", 0.2),
-    "1000ms": ("fixed", 1.0), "lognormal200ms": ("lognormal", 0.2)}
+    "1000ms": ("fixed", 1.0), "lognormal200ms": ("lognormal", 0.2),
+    "lognormal3s": ("lognormal", 3.0)}
 
 
 def model_config(size: str) -> ModelConfig:
@@ -76,17 +92,32 @@ def no_wait(episode: int, turn: int) -> float:
     return 0.0
 
 
-def prompt_of(episode: int, vocab: int) -> list[int]:
-    return np.random.default_rng(derive_seed(7, episode)).integers(0, vocab, PROMPT).tolist()
+def system_prompt(tokens: int, vocab: int) -> tuple[int, ...]:
+    """The `tokens` ids every episode's prompt starts with (none for 0)."""
+    return tuple(np.random.default_rng(derive_seed(3, tokens)).integers(0, vocab, tokens).tolist())
 
 
-def make_factory(vocab: int, latency: Callable[[int, int], float]):
+def prompt_of(episode: int, vocab: int, system: tuple[int, ...] = ()) -> list[int]:
+    own = np.random.default_rng(derive_seed(7, episode)).integers(0, vocab, PROMPT).tolist()
+    return [*system, *own]
+
+
+def prompt_tokens_of(episodes: int, system: int) -> int:
+    """Prompt tokens the engine is given over `episodes` episodes: turn t's prompt is the whole
+    context so far."""
+    first = system + PROMPT
+    return episodes * sum(first + t * (TURN_TOKENS + TOOL_TOKENS) for t in range(TURNS))
+
+
+def make_factory(vocab: int, latency: Callable[[int, int], float],
+                 system: tuple[int, ...] = ()):
     def make(spec: EpisodeSpec) -> ScriptedToolInteraction:
         async def tool(turn: int, sampled) -> list[int]:
             await asyncio.sleep(latency(spec.episode_id, turn))
             return [(t * 7 + turn) % vocab for t in sampled[:TOOL_TOKENS]]
 
-        return ScriptedToolInteraction(prompt_of(spec.episode_id, vocab), num_turns=TURNS,
+        return ScriptedToolInteraction(prompt_of(spec.episode_id, vocab, system),
+                                       num_turns=TURNS,
                                        tool=tool, reward_fn=lambda a: float(np.mean(a)) / vocab)
 
     return make
@@ -96,11 +127,12 @@ AGENT = AgentConfig(max_turns=TURNS, max_tokens_per_turn=TURN_TOKENS, ignore_eos
 
 
 async def run_async(engine: Engine, episodes: int, concurrency: int, vocab: int,
-                    latency: Callable[[int, int], float]) -> list[tuple[float, float]]:
+                    latency: Callable[[int, int], float], system: tuple[int, ...] = ()
+                    ) -> list[tuple[float, float]]:
     """(start, end) perf_counter times of `episodes` episodes through the orchestrator (group
     size 1)."""
     config = OrchestratorConfig(group_size=1, max_concurrency=concurrency, agent=AGENT)
-    orchestrator = RolloutOrchestrator(engine, make_factory(vocab, latency), config)
+    orchestrator = RolloutOrchestrator(engine, make_factory(vocab, latency, system), config)
     groups = await orchestrator.run_groups(range(episodes))
     return [(t.info["started_at"], t.info["finished_at"]) for g in groups.values() for t in g]
 
@@ -118,14 +150,15 @@ async def _sync_turn(engine: Engine, context: list[int], session, episode: int, 
 
 
 async def run_sync(engine: Engine, episodes: int, batch: int, vocab: int,
-                   latency: Callable[[int, int], float]) -> list[tuple[float, float]]:
+                   latency: Callable[[int, int], float], system: tuple[int, ...] = ()
+                   ) -> list[tuple[float, float]]:
     """Batch-synchronous turns: a batch generates a turn, then all its tools run, and so on.
     Returns each episode's (start, end): its batch's."""
     times = []
     for start in range(0, episodes, batch):
         t0 = time.perf_counter()
         ids = range(start, min(start + batch, episodes))
-        contexts = {e: prompt_of(e, vocab) for e in ids}
+        contexts = {e: prompt_of(e, vocab, system) for e in ids}
         sessions = {e: engine.session() for e in ids}
         for turn in range(TURNS):
             await asyncio.gather(*(_sync_turn(engine, contexts[e], sessions[e], e, turn, vocab,
@@ -148,14 +181,25 @@ def steady_window(times: list[tuple[float, float]], concurrency: int) -> tuple[f
     return ends[min(concurrency, len(ends)) - 1], max(start for start, _ in times)
 
 
+def peak_in_flight(times: list[tuple[float, float]]) -> int:
+    """The most episodes between their start and their end at once."""
+    events = sorted([(start, 1) for start, _ in times] + [(end, -1) for _, end in times])
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
 def measure(engine: Engine, run: Callable[[], object], episodes: int,
-            concurrency: int) -> dict[str, float]:
+            concurrency: int, system_tokens: int = 0) -> dict[str, float]:
     """Run one configuration under a fresh perf recorder and compute its figures, over the whole
     run and over its steady state (`steady_window`)."""
     recorder = perf.configure(perf.PerfConfig(capacity=4_000_000))
-    traces = sum(engine.stats().traces.values())
-    generated = engine.stats().generated_tokens
-    dropped = engine.stats().dropped_tokens
+    before = engine.stats()
+    traces = sum(before.traces.values())
+    generated = before.generated_tokens
+    dropped = before.dropped_tokens
 
     async def main():
         async with LoopLagMonitor(interval_s=0.005) as lag:
@@ -182,9 +226,17 @@ def measure(engine: Engine, run: Callable[[], object], episodes: int,
     tokens = engine.stats().generated_tokens - generated
     # Tokens the engine computed past a request's end (pipelining; decode_steps_per_call > 1),
     # as a fraction of those it kept: device time inside "busy" that bought nothing.
-    dropped_frac = (engine.stats().dropped_tokens - dropped) / max(tokens, 1)
+    after = engine.stats()
+    dropped_frac = (after.dropped_tokens - dropped) / max(tokens, 1)
+    given = prompt_tokens_of(episodes, system_tokens)
+    prefilled = after.prefilled_tokens - before.prefilled_tokens
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
     return {"episodes_per_s": episodes / wall, "tokens_per_s": tokens / wall,
-            "dropped_frac": dropped_frac,
+            "dropped_frac": dropped_frac, "peak_in_flight": peak_in_flight(times),
+            "prompt_tokens": given, "prefilled_tokens": prefilled, "prefix_hit_tokens": hits,
+            "prefix_hit_rate": hits / given, "cached_rate": 1 - prefilled / given,
+            "evictions": after.evictions - before.evictions,
+            "preemptions": after.preemptions - before.preemptions,
             "engine_busy": busy, **steady, "latency_p50_s": float(np.median(durations)),
             "latency_p99_s": float(np.quantile(durations, 0.99)), "loop_lag_p99_ms": lag_p99,
             "wall_s": wall, "compiles_after_warmup": sum(engine.stats().traces.values()) - traces}
@@ -216,12 +268,52 @@ def main() -> None:
     parser.add_argument("--parked-slots", type=int, default=None,
                         help="EngineConfig.parked_slots (evicted sessions' caches kept in a "
                              "second cache on the device; default --max-concurrency: every "
-                             "episode in flight; 0: off)")
+                             "episode in flight; 0: off; dense layout only)")
+    parser.add_argument("--kv-layout", nargs="+", choices=("dense", "paged"), default=["dense"],
+                        help="EngineConfig.kv_layout; several: one engine each, side by side")
+    parser.add_argument("--prefix-cache", nargs="+", choices=("on", "off"), default=["on"],
+                        help="EngineConfig.prefix_cache of the paged layout; both: side by side")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="EngineConfig.kv_cache_tokens of the paged layout (default: the "
+                             "dense cache's slots x max_len)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="EngineConfig.max_len (default: the longest episode, rounded up)")
+    parser.add_argument("--system-prompt-tokens", type=int, default=0,
+                        help="tokens of one system prompt every episode's prompt starts with")
     parser.add_argument("--latencies", nargs="+", choices=tuple(LATENCIES),
                         default=tuple(LATENCIES))
     parser.add_argument("--seconds", type=float, default=None,
                         help="target wall time per async configuration (20; 6 with --quick)")
     args = parser.parse_args()
+    combos = [(layout, cache == "on") for layout in args.kv_layout
+              for cache in (args.prefix_cache if layout == "paged" else ["on"])]
+    rows: list[dict[str, object]] = []
+    for layout, prefix_cache in combos:
+        rows += bench_engine(args, layout, prefix_cache)
+    if len(combos) > 1:
+        print("\nside by side (async rows; ratios within each engine):")
+        for name in args.latencies:
+            for r in rows:
+                if r["latency"] == name and r["mode"] == "async":
+                    ratio = next(q for q in rows if q["latency"] == name
+                                 and q["mode"] == "ratios" and q["engine"] == r["engine"])
+                    print(f"{name:>15} {r['engine']:>18}: {r['episodes_per_s']:7.1f} eps/s  "
+                          f"busy {r['engine_busy']:.2f} (steady {r['steady_engine_busy']:.2f})  "
+                          f"in flight {r['peak_in_flight']:5d}  async/limit "
+                          f"{ratio['async_over_limit']:.2f} (steady "
+                          f"{ratio['steady_async_over_limit']:.2f})  cached "
+                          f"{r['cached_rate']:.3f} prefix {r['prefix_hit_rate']:.3f}  "
+                          f"evictions {r['evictions']}  preemptions {r['preemptions']}")
+    if args.out:
+        with args.out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
+                 ) -> list[dict[str, object]]:
+    """Every latency's limit, sync and async rows (and their ratios) on one engine."""
     repeats = args.repeats or (1 if args.quick else 3)
     # 64 slots: enough rows a call that the host's per-call work (one GIL for the scheduler
     # and the event loop, on the CPU cores the device runs on) keeps up with the device; with
@@ -230,34 +322,55 @@ def main() -> None:
     slots = args.slots or (16 if args.quick else 64)
     sync_batch = args.sync_batch or slots
     cfg = model_config(args.size)
-    max_len = PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
-    parked = args.max_concurrency if args.parked_slots is None else args.parked_slots
+    S = args.system_prompt_tokens
+    longest = S + PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
+    max_len = args.max_len or (longest if S == 0 else -(-longest // 64) * 64)
+    paged = layout == "paged"
+    parked = 0 if paged else (args.max_concurrency if args.parked_slots is None
+                              else args.parked_slots)
+    swap = 0.0 if paged else args.swap_gib
+    label = f"{layout}" + ((" prefix-cache " + ("on" if prefix_cache else "off")) if paged
+                           else "")
+    system = system_prompt(S, cfg.vocab_size)
     # Attention buckets and batched prefill on: throughput over bit-exact batch invariance
     # (see EngineConfig).
-    engine = Engine(init_decoder(cfg, seed=0), EngineConfig(max_slots=slots, max_len=max_len, prefill_chunks=(16, 64), decode_buckets=4, prefill_rows=args.prefill_rows, decode_steps_per_call=args.decode_steps, pipeline_depth=args.pipeline_depth, swap_space_gib=args.swap_gib, parked_slots=parked)).start()
+    config = EngineConfig(
+        max_slots=slots, max_len=max_len, prefill_chunks=(16, 64) if S == 0 else (16, 64, 256),
+        decode_buckets=4, prefill_rows=args.prefill_rows, decode_steps_per_call=args.decode_steps,
+        pipeline_depth=args.pipeline_depth, swap_space_gib=swap, parked_slots=parked,
+        kv_layout=layout, block_size=args.block_size, prefix_cache=prefix_cache,
+        kv_cache_tokens=args.kv_cache_tokens if paged else None)
+    engine = Engine(init_decoder(cfg, seed=0), config).start()
     vocab = cfg.vocab_size
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 
     # Warm-up (compiles and the host paths), then the limit: what the engine does unhindered.
-    asyncio.run(RolloutOrchestrator(engine, make_factory(vocab, no_wait), OrchestratorConfig(
-        group_size=1, max_concurrency=2 * slots, agent=AGENT)).run_groups(range(2 * slots)))
+    asyncio.run(RolloutOrchestrator(engine, make_factory(vocab, no_wait, system),
+                                    OrchestratorConfig(group_size=1, max_concurrency=2 * slots,
+                                                       agent=AGENT)
+                                    ).run_groups(range(10**6, 10**6 + 2 * slots)))
     limit_concurrency = 2 * slots
     probe = measure(engine, functools.partial(run_async, engine, 4 * slots, limit_concurrency,
-                                              vocab, no_wait), 4 * slots, limit_concurrency)
+                                              vocab, no_wait, system), 4 * slots,
+                    limit_concurrency, S)
     limit_rate = probe["episodes_per_s"]
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
-    print(f"model {args.size}: slots={slots} max_len={max_len} decode_buckets=4 "
+    kv_tokens = config.num_blocks * config.block_size if paged else slots * max_len
+    print(f"\n{label}: model {args.size}: slots={slots} max_len={max_len} kv_tokens={kv_tokens} "
+          f"system_prompt={S} decode_buckets=4 "
           f"prefill_rows={args.prefill_rows} decode_steps_per_call={args.decode_steps} "
           f"pipeline_depth={args.pipeline_depth} "
-          f"swap_space_gib={args.swap_gib} parked_slots={parked} sync_batch={sync_batch} "
+          f"swap_space_gib={swap} parked_slots={parked} sync_batch={sync_batch} "
           f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
-    settings = {"prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
+    settings = {"engine": label, "kv_layout": layout, "prefix_cache": prefix_cache,
+                "kv_cache_tokens": kv_tokens, "max_len": max_len, "system_prompt_tokens": S,
+                "prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
                 "pipeline_depth": args.pipeline_depth,
-                "swap_space_gib": args.swap_gib, "parked_slots": parked}
+                "swap_space_gib": swap, "parked_slots": parked}
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
               f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} "
-              f"{'lag99 ms':>8} {'compiles':>8}")
+              f"{'lag99 ms':>8} {'compiles':>8} {'cached':>6} {'prefix':>6} {'flight':>6}")
     print(header)
     for name in args.latencies:
         kind, mean_s = LATENCIES[name]
@@ -271,21 +384,26 @@ def main() -> None:
             n_sync = max(sync_batch, min(episodes, int(seconds / max(mean_s * 2, 0.05))
                                          * sync_batch))
             if mode == "limit":
-                run = functools.partial(run_async, engine, episodes, concurrency, vocab, no_wait)
+                run = functools.partial(run_async, engine, episodes, concurrency, vocab, no_wait,
+                                        system)
             elif mode == "sync":
-                run = functools.partial(run_sync, engine, n_sync, sync_batch, vocab, latency)
+                run = functools.partial(run_sync, engine, n_sync, sync_batch, vocab, latency,
+                                        system)
             else:
-                run = functools.partial(run_async, engine, episodes, concurrency, vocab, latency)
+                run = functools.partial(run_async, engine, episodes, concurrency, vocab, latency,
+                                        system)
             n = n_sync if mode == "sync" else episodes
             conc = sync_batch if mode == "sync" else concurrency
-            results[mode] = median_of([measure(engine, run, n, conc) for _ in range(repeats)])
+            results[mode] = median_of([measure(engine, run, n, conc, S)
+                                       for _ in range(repeats)])
             r = results[mode]
             print(f"{name:>15} {mode:>6} {conc:>5} {r['episodes_per_s']:8.1f} "
                   f"{r['tokens_per_s']:8.0f} {r['engine_busy']:5.2f} "
                   f"{r['steady_episodes_per_s']:12.1f} {r['steady_engine_busy']:5.2f} "
                   f"{r['dropped_frac']:5.2f} {r['latency_p50_s']:6.2f} "
                   f"{r['latency_p99_s']:6.2f} {r['loop_lag_p99_ms']:8.1f} "
-                  f"{r['compiles_after_warmup']:8.0f}")
+                  f"{r['compiles_after_warmup']:8.0f} {r['cached_rate']:6.3f} "
+                  f"{r['prefix_hit_rate']:6.3f} {r['peak_in_flight']:6.0f}")
             rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
                          "mode": mode, "slots": slots, "concurrency": conc,
                          "episodes": n, "repeats": repeats, **settings, **r})
@@ -303,10 +421,7 @@ def main() -> None:
                      "steady_async_over_sync": steady_sync, "concurrency": concurrency,
                      "slots": slots, **settings})
     engine.stop()
-    if args.out:
-        with args.out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    return rows
 
 
 if __name__ == "__main__":
