@@ -8,17 +8,19 @@ server call on an engine, written down so that any backend can stand in for the 
 Three levels, each a `typing.Protocol` (runtime-checkable, so `isinstance` checks that the
 members exist; signatures are for the type checker):
 
-- `RolloutClient`: generate token ids from token ids (`generate`, or thread-safe `submit`), in an
-  optional `session` (a multi-turn episode; backends with a prefix cache turn its later turns
-  into prefix hits), with per-token log-probs and policy versions in the `Completion`; `stats()`;
+- `RolloutClient`: generate token ids from token ids (`generate`), in an optional `session`
+  (a multi-turn episode; backends with a prefix cache turn its later turns into prefix hits),
+  with per-token log-probs and policy versions in the `Completion`; `stats()`;
   `close()` and both context managers. Cancel is asyncio's: cancelling the task that awaits
   `generate` frees the request (its slot, its KV blocks, its place in the queue). A bad request
   raises `RequestError` in its own caller and nothing else. `config.max_len` is the context
   (prompt plus completion) one request may fill. The evaluator needs only this.
 - `RolloutEngine`: a client whose weights the trainer owns: `update_weights(state, version)`
   takes NNX parameter state (`nnx.state(model, nnx.Param)`, LoRA adapters included: a backend
-  that cannot run adapters merges them) and tags every token sampled after it with `version`;
-  `policy_version` is the version new tokens get. Both learners need this.
+  that cannot run adapters merges them); every request submitted after it returns samples
+  with the new weights, and its tokens carry `version` (it may return before the switch, as
+  the in-process engine's does, or after, as vLLM's does); `policy_version` is the version of
+  the weights in use. Both learners need this.
 - `ServingEngine`: a rollout engine that also streams tokens as they are sampled and names its
   model config (vocabulary size): what `nonstop serve` needs.
 
@@ -31,7 +33,6 @@ union of the intervals in which it had requests running.)
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -101,13 +102,6 @@ class RolloutClient(Protocol):
         params: SamplingParams | None = None,
         session: Any = None,
     ) -> Completion: ...
-
-    def submit(
-        self,
-        token_ids: Sequence[int] | np.ndarray,
-        params: SamplingParams | None = None,
-        session: Any = None,
-    ) -> concurrent.futures.Future[Completion]: ...
 
     def session(self) -> RolloutSession: ...
 
