@@ -368,6 +368,10 @@ def _train(cfg: VisionTrainConfig, tokenizer: TextEncoder, processor: ImageProce
     order = ExampleOrder(len(examples), cfg.seed)
     checkpointer = Checkpointer(cfg.checkpoint.in_run(cfg.run_dir, CHECKPOINT_DIR))
     state, start = setup.state, 0
+    if mesh is None:
+        # Committed now, as the step's outputs and a restored state are: otherwise the first
+        # step compiles for uncommitted inputs and the second compiles again.
+        state = jax.device_put(state, jax.devices()[0])
     restored = checkpointer.restore(state)
     if restored is not None:
         order.skip(resume_position(cfg, restored, fingerprint))

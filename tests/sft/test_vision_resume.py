@@ -3,7 +3,7 @@ with the parameters of a run never stopped (1e-6) having trained on exactly the 
 step for step (none lost, none twice); SIGTERM checkpoints the current step and exits 143, and
 `--resume RUN_DIR` finishes the run. Subprocesses on the tiny Gemma 3 VLM of
 tests/cli/test_vlm_cli.py; they share one persistent JAX compilation cache, so only the first
-run compiles the step."""
+run compiles the step (a few seconds of loading in the others)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("jax_cache")
-    return os.environ | {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
+    # PYTHONHASHSEED: with hash randomization the step's HLO differs between processes (some
+    # set or dict order reaches the trace) and every run would miss the compilation cache.
+    return os.environ | {"PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "PYTHONHASHSEED": "0",
                          "JAX_COMPILATION_CACHE_DIR": str(cache),
                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
