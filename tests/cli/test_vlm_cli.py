@@ -1,7 +1,9 @@
 """`nonstop vlm`: a two-step LoRA SFT smoke run of the shipped Gemma 3 config on a tiny random
 vision-language checkpoint (the architecture of tests/models/vlm_fixtures.py, with a vocabulary
-that holds the tiny Gemma tokenizer), and bad input that stops the run with exit status 2 and a
-message naming the key, or the file and line — never a traceback."""
+that holds the tiny Gemma tokenizer), which then resumes from its last checkpoint and refuses other
+data in the same run directory; and bad input that stops the run with exit status 2 and a message
+naming the key, or the file and line — never a traceback. (Crash and resume: tests/sft/
+test_vision_resume.py.)"""
 
 from __future__ import annotations
 
@@ -129,6 +131,20 @@ def test_vlm_sft_smoke_run_exports_a_checkpoint(checkpoint, tmp_path, capsys):
     assert Tokenizer.from_pretrained(export).vocab_size == 384
     assert ImageProcessor.from_pretrained(export) == ImageProcessor(height=IMAGE_SIZE,
                                                                     width=IMAGE_SIZE)
+
+    # Checkpointed after the last step: the same command again resumes there and only exports.
+    assert (run / "checkpoints" / "2" / "_CHECKPOINT_METADATA").exists()
+    # examples.jsonl: each step's data lines, in the order RandomState(seed=0) shuffles them.
+    drawn = (np.random.RandomState(0).permutation(5) + 1).tolist()
+    assert [r["lines"] for r in read_jsonl(run / "examples.jsonl")] == [drawn[:2], drawn[2:4]]
+    assert run_vlm(checkpoint, data, run, "seq_len=48") == 0
+    assert "0 steps (resumed after step 2)" in capsys.readouterr().out
+    # Other data in that run directory is refused, naming data_path.
+    data.write_text(data.read_text() + data.read_text().splitlines()[0] + "\n")
+    assert run_vlm(checkpoint, data, run, "seq_len=48") == 2
+    err = capsys.readouterr().err
+    assert f"data_path={str(data)!r} is not the data the checkpoint of step 2 in " in err, err
+    assert "start a new run_dir" in err
 
 
 def test_vlm_dpo_smoke_run_starts_at_log_2(checkpoint, tmp_path):
