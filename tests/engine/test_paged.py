@@ -188,6 +188,42 @@ def test_a_platform_kernel_plugs_in_and_matches_the_plain_path(model):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
 
 
+def _gathered_attention(q, k_pool, v_pool, tables, lengths, scale):
+    """Decode attention the plain way: the rows' blocks copied out whole, one softmax."""
+    keys, values = paged.gather(k_pool, tables), paged.gather(v_pool, tables)
+    B, N, H = q.shape
+    K = keys.shape[1]
+    qg = q.reshape(B, K, N // K, H)
+    scores = jnp.einsum("bkgh,bklh->bkgl", qg, keys) * scale
+    valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]
+    probs = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgl,bklh->bkgh", probs, values).reshape(B, N, H)
+
+
+def test_blockwise_decode_attention_matches_the_gathered_one_and_is_batch_invariant():
+    """`attend_blocks` (the default decode path) against the whole-gather softmax on random
+    pools, tables of 11 entries (not a multiple of the blocks it reads a step) and lengths
+    from 1 to the table's end; a row's result is bit for bit the same whatever the others'
+    lengths (fewer or more loop iterations)."""
+    rng = np.random.default_rng(3)
+    NB, K, bs, H, N, MB, B = 37, 2, 5, 7, 6, 11, 5
+    k_pool, v_pool = (jnp.asarray(rng.normal(size=(NB, K, bs, H)), jnp.float32)
+                      for _ in range(2))
+    tables = jnp.asarray(rng.integers(0, NB, (B, MB)), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
+    lengths = jnp.asarray([1, 4, 23, 40, MB * bs], jnp.int32)
+    got = jax.jit(paged.attend_blocks, static_argnums=5)(q, k_pool, v_pool, tables, lengths,
+                                                           0.3)
+    want = _gathered_attention(q, k_pool, v_pool, tables, lengths, 0.3)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # Row 1 alone with short neighbours (one loop iteration) and with a parked one (a length
+    # past the table, not counted): the same bits as among long ones.
+    for others in ([1, 4, 2, 3, 1], [1, 4, 2, 3, MB * bs + 1]):
+        alone = paged.attend_blocks(q, k_pool, v_pool, tables, jnp.asarray(others, jnp.int32),
+                                    0.3)
+        np.testing.assert_array_equal(alone[1], got[1])
+
+
 def test_kv_cache_tokens_from_a_memory_budget():
     cfg = ModelConfig.tiny("qwen3")
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
@@ -196,8 +232,8 @@ def test_kv_cache_tokens_from_a_memory_budget():
         kv_cache_tokens_for(cfg, per_token * 15, block_size=16)
     with pytest.raises(ValueError, match="kv_cache_tokens"):
         EngineConfig(max_len=64, kv_layout="paged", kv_cache_tokens=32)
-    with pytest.raises(ValueError, match="swap_space_gib"):
-        EngineConfig(kv_layout="paged", swap_space_gib=1.0)
+    with pytest.raises(ValueError, match="parked_slots"):
+        EngineConfig(kv_layout="paged", parked_slots=4)
 
 
 def test_samples_sharing_blocks_a_cancelled_writer_never_computed_restart_and_match(model):
