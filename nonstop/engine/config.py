@@ -55,6 +55,8 @@ class EngineConfig:
     swap_space_gib: host memory for evicted idle sessions' caches, written back when their next
         turn is admitted, so it prefills only new tokens (bit for bit the same results).
         0 (the default): off, an evicted session's next turn prefills its whole context.
+        Paged: the blocks of the least recently used idle session, when the pool runs short,
+        are copied out before they are freed.
     parked_slots: rows of a second device cache holding evicted sessions' caches, moved in and
         out in one call per admission pass; when full, the oldest goes to host swap if on, else
         is dropped. Costs a slot's cache of device memory per row. 0 (the default): off.
@@ -108,9 +110,6 @@ class EngineConfig:
             check_int(owner, "kv_cache_tokens", self.kv_cache_tokens,
                       low=-(-self.max_len // self.block_size) * self.block_size)
         if self.kv_layout == "paged":
-            check(self.swap_space_gib == 0, owner, "swap_space_gib", self.swap_space_gib,
-                  "0 with kv_layout 'paged' (idle sessions keep their blocks, freed for "
-                  "recompute under pressure)")
             check(self.parked_slots == 0, owner, "parked_slots", self.parked_slots,
                   "0 with kv_layout 'paged' (idle sessions keep their blocks)")
 

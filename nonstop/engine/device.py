@@ -150,6 +150,11 @@ class DeviceSteps:
         self._write_slot = jax.jit(
             self._write_slot_fn, donate_argnums=(0,),
             **({} if mesh is None else {"out_shardings": self.cache_sharding}))
+        # Paged host swap: an idle session's blocks read out and written back into others, the
+        # block ids padded to a table's length (one compilation each; padding reads clip and
+        # writes drop).
+        self._read_blocks = jax.jit(self._read_blocks_fn)
+        self._write_blocks = jax.jit(self._write_blocks_fn, donate_argnums=(0,))
 
     def _with_state(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn(state, ...)` as a function of the state's flat leaves (see `_leaves`)."""
@@ -340,6 +345,54 @@ class DeviceSteps:
             kv = row
         return self._write_slot(cache, np.int32(slot), kv)
 
+    def _read_blocks_fn(self, cache: PagedKVCache, ids: Array) -> Array:
+        self.traces["read_blocks"] += 1
+        return jnp.stack([jnp.stack([jnp.take(k, ids, axis=0, mode="clip") for k in cache.keys]),
+                          jnp.stack([jnp.take(v, ids, axis=0, mode="clip")
+                                     for v in cache.values])])
+
+    def _write_blocks_fn(self, cache: PagedKVCache, ids: Array, kv: Array) -> PagedKVCache:
+        self.traces["write_blocks"] += 1
+        return PagedKVCache(
+            keys=tuple(c.at[ids].set(kv[0, i].astype(c.dtype), mode="drop")
+                       for i, c in enumerate(cache.keys)),
+            values=tuple(c.at[ids].set(kv[1, i].astype(c.dtype), mode="drop")
+                         for i, c in enumerate(cache.values)))
+
+    def _block_ids(self, blocks: list[int]) -> np.ndarray:
+        ids = np.full(self.blocks_per_sequence, self.num_blocks, np.int32)
+        ids[:len(blocks)] = blocks
+        return ids
+
+    def start_read_blocks(self, cache: PagedKVCache, blocks: list[int]) -> Array:
+        """Launch a copy of `blocks`' keys and values (at most a sequence's worth) as one array
+        [2, layers, MB, K, bs, H] (the first len(blocks) entries are theirs) and start moving
+        it to the host, without waiting (`blocks_to_host` takes it once ready, `write_blocks`
+        as it is). The copy is of the cache after the calls launched before it."""
+        kv = self._read_blocks(cache, self._block_ids(blocks))
+        kv.copy_to_host_async()
+        return kv
+
+    def blocks_to_host(self, kv: Array, length: int) -> np.ndarray:
+        """The blocks holding the first `length` positions of a `start_read_blocks` copy, on the
+        host: [2, layers, blocks, K, bs, H] (waits for it if it is not ready yet)."""
+        return np.array(np.asarray(kv)[:, :, :-(-length // self.block_size)])
+
+    def write_blocks(self, cache: PagedKVCache, blocks: list[int], kv: np.ndarray | Array
+                     ) -> PagedKVCache:
+        """`cache` with `blocks` set to the first len(blocks) entries of `kv` (a host copy from
+        `blocks_to_host`, or the device array of `start_read_blocks` as it is). Donates
+        `cache`; does not wait."""
+        if not isinstance(kv, jax.Array):
+            full = np.zeros((*kv.shape[:2], self.blocks_per_sequence, *kv.shape[3:]), kv.dtype)
+            full[:, :, :kv.shape[2]] = kv
+            kv = full
+        return self._write_blocks(cache, self._block_ids(blocks), kv)
+
+    def block_bytes(self) -> int:
+        """Host bytes of one block (keys and values, all layers)."""
+        return self.block_size * self.slot_position_bytes()
+
     def slot_position_bytes(self) -> int:
         """Host bytes that one cached position of one slot takes (keys and values, all
         layers)."""
@@ -470,7 +523,12 @@ class DeviceSteps:
                     state, cache, np.zeros((R, C), np.int32), np.full(R, self.max_len),
                     np.zeros(R), np.zeros(R), idle_sampling(R), first, np.full(R, S))
                 jax.block_until_ready(out)
-        if swap:  # a copy written back from the device as it is, and from the host
+        if swap and self.paged:  # as below, for blocks
+            kv = jax.block_until_ready(self.start_read_blocks(cache, []))
+            cache = jax.block_until_ready(self.write_blocks(cache, [], kv))
+            cache = jax.block_until_ready(self.write_blocks(cache, [], self.blocks_to_host(
+                kv, self.block_size)))
+        elif swap:  # a copy written back from the device as it is, and from the host
             kv = jax.block_until_ready(self.start_read_slot(cache, 0))
             cache = jax.block_until_ready(self.write_slot(cache, 0, kv))
             cache = jax.block_until_ready(self.write_slot(cache, 0, self.slot_to_host(

@@ -10,13 +10,15 @@ prefilled it yet is *pending*: a request sharing it waits (`ready`) until its wr
 has passed it; if the writer leaves first, the block loses its key and the requests that
 share it are handed back to be restarted (`writer_gone`). Between turns a session keeps its
 blocks (`Session.blocks`); the least recently used idle session's are freed when the pool runs
-short (`free_idle`), and its next turn recomputes.
+short (`free_idle`), first copied to host memory if `EngineConfig.swap_space_gib` allows
+(`swap_out`), in which case its next turn gets new blocks with the copy written back
+(`restore`) and prefills only its new tokens; else its next turn recomputes.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -28,8 +30,16 @@ from nonstop.engine.requests import Counters, Request, Session
 class PagedBlocks:
     """Block tables, sessions' blocks and pending prefix blocks of one scheduler."""
 
-    def __init__(self, config: EngineConfig, num_slots: int, counters: Counters) -> None:
+    def __init__(self, config: EngineConfig, num_slots: int, counters: Counters,
+                 swap_out: Callable[[Session, list[int], list[int]], None] | None = None
+                 ) -> None:
         self.config, self.counters = config, counters
+        # (session, its blocks, the tokens they hold): copy them to the host before they are
+        # freed (sets `session.swapped` if the budget allows).
+        self.swap_out = swap_out
+        # Set by `admit` for a session with a host copy: (session, the new blocks to write the
+        # copy into; empty when none of it is reused). The caller writes it back and clears it.
+        self.restore: tuple[Session, list[int]] | None = None
         self.bs = config.block_size
         self.pool = BlockPool(config.num_blocks)
         self.none = config.num_blocks  # a table entry with no block: writes are dropped
@@ -71,6 +81,7 @@ class PagedBlocks:
         blocks: list[int] = []
         n = 0
         tokens: list[int] = []
+        restoring = False  # the session's host copy is written into its first new blocks
         if session is not None and session.blocks is not None:
             blocks, tokens = session.blocks, session.kv_tokens
             self.idle.pop(session, None)
@@ -84,6 +95,11 @@ class PagedBlocks:
                 self.pool.unregister(blocks[n // self.bs])  # rewritten past n
             self.pool.release(blocks[keep:])
             blocks = blocks[:keep]
+            self.kv_version[slot] = session.kv_version if n else version
+        elif session is not None and session.swapped is not None:
+            swapped = list(session.swapped.tokens)
+            n = _common_prefix(swapped, context, len(context) - 1)
+            restoring = n > 0
             self.kv_version[slot] = session.kv_version if n else version
         else:
             self.kv_version[slot] = version
@@ -114,11 +130,16 @@ class PagedBlocks:
             else:
                 self.pool.release(blocks)
             return None
-        if share:
-            start = len(blocks)
+        if session is not None and session.swapped is not None:
+            self.restore = (session, new[:blocks_for(n, self.bs)] if restoring else [])
+        if share and self.kv_version[slot] == version:
+            # Only blocks whose whole prefix the current weights computed are keyed. Restored
+            # blocks hold their copy's tokens once written back: not keyed here.
+            first = len(blocks)  # table index of new[0]
+            start = first + (blocks_for(n, self.bs) if restoring else 0)
             for i, hashed in enumerate(self.keys(context, version, len(context) // self.bs)):
-                if i >= start and self.pool.register(new[i - start], hashed):
-                    self.pending[new[i - start]] = (req, req.epoch, (i + 1) * self.bs)
+                if i >= start and self.pool.register(new[i - first], hashed):
+                    self.pending[new[i - first]] = (req, req.epoch, (i + 1) * self.bs)
         self._set(slot, blocks + new)
         if waits:
             self.waits[id(req)] = (req, waits)
@@ -194,11 +215,13 @@ class PagedBlocks:
             session.blocks, session.kv_tokens = None, []
 
     def free_idle(self) -> bool:
-        """Free the least recently used idle session's blocks (its next turn recomputes);
-        False if there is none."""
+        """Free the least recently used idle session's blocks (copied to the host first if
+        swapping is on, else its next turn recomputes); False if there is none."""
         if not self.idle:
             return False
         session = next(iter(self.idle))
+        if self.swap_out is not None and session.blocks:
+            self.swap_out(session, session.blocks, session.kv_tokens)
         self.drop_session(session)
         self.counters.evictions += 1
         return True

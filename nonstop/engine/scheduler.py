@@ -84,8 +84,11 @@ class Scheduler(threading.Thread):
         self.evicted = EvictedCaches(device, config, self.counters)
         # Paged layout: block tables, sessions' blocks, prefix cache (`paging.py`). Sessions
         # then hold blocks, never a slot, between turns.
-        self.blocks = (PagedBlocks(config, S, self.counters) if config.kv_layout == "paged"
-                       else None)
+        self.blocks = self._new_blocks() if config.kv_layout == "paged" else None
+
+    def _new_blocks(self) -> PagedBlocks:
+        swap = self._swap_out_blocks if self.config.swap_space_gib > 0 else None
+        return PagedBlocks(self.config, self.S, self.counters, swap_out=swap)
 
     # ---------------------------------------------------------------- from other threads
 
@@ -279,6 +282,14 @@ class Scheduler(threading.Thread):
                                   share=self.config.prefix_cache and req.image_features is None)
             if n is None:
                 return False
+            if self.blocks.restore is not None:  # its host copy goes into its new blocks
+                session, ids = self.blocks.restore
+                self.blocks.restore = None
+                try:
+                    self.cache = self.evicted.restore_blocks(self.cache, session, ids)
+                except Exception as error:  # noqa: BLE001 - fails this and every slot
+                    self._device_failure(error)
+                    return True
             cached[:] = req.context[:n]
         req.slot = slot
         self.slot_req[slot] = req
@@ -581,6 +592,14 @@ class Scheduler(threading.Thread):
             if follower.slot >= 0 and not follower.done:
                 self._preempt(follower)
 
+    def _swap_out_blocks(self, session: Session, blocks: list[int], tokens: list[int]) -> None:
+        """Copy an idle session's blocks, about to be freed, to the host (if the budget
+        allows); if the device cannot, they are freed for recompute as without swapping."""
+        try:
+            self.evicted.swap.copy_out_blocks(session, tokens, self.device, self.cache, blocks)
+        except Exception:  # noqa: BLE001 - the next device call reports the failure
+            _log.exception("copying an idle session's blocks to the host failed")
+
     def _grow_blocks(self) -> None:
         """Blocks for the positions the next decode call writes, oldest request first; when
         the pool is out of them, the youngest running request is preempted (resumed later by
@@ -620,6 +639,8 @@ class Scheduler(threading.Thread):
             self.state, self.version = state, version
         if self.blocks is not None:
             self.blocks.weights_changed()
+            for session in self.evicted.swap.sessions:  # host copies: not keyed when back
+                session.kv_version = -1
         if self.config.on_weight_update == "continue":
             return
         running = sorted((r for r in self.slot_req if r is not None), key=lambda r: r.arrival)
@@ -654,7 +675,7 @@ class Scheduler(threading.Thread):
         if self.blocks is not None:  # every block's contents are lost with the cache
             for session in list(self.blocks.idle):
                 self.blocks.drop_session(session)
-            self.blocks = PagedBlocks(self.config, self.S, self.counters)
+            self.blocks = self._new_blocks()
 
     def _abort_all(self, error: BaseException | None) -> None:
         """Stop: running requests end "aborted" with what they have; waiting ones likewise."""

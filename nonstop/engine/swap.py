@@ -8,7 +8,9 @@ rows, rows of the sessions it readmits back into their new slots) run as one dev
 the least recently parked session goes on to the host swap space if it is on, else its cache is
 dropped.
 
-Host swap:
+Host swap (dense layout; the paged one copies an idle session's blocks out instead, when the
+pool runs short and they would otherwise be freed, and writes them into new blocks at its next
+turn: `HostSwap.copy_out_blocks`, `EvictedCaches.restore_blocks`):
 
 When the scheduler thread evicts an idle session it launches a copy of the slot's keys and
 values (`DeviceSteps.start_read_slot`) and hands the device rows to `HostSwap.store` without
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
+
+import numpy as np
 
 from nonstop import perf
 from nonstop.engine.config import EngineConfig
@@ -105,7 +110,10 @@ class Parking:
 class HostSwap:
     """Evicted sessions' caches on the host, least recently evicted first."""
 
-    def __init__(self, budget_bytes: int, counters: Counters) -> None:
+    def __init__(self, budget_bytes: int, counters: Counters,
+                 to_host: Callable[[object, int], np.ndarray] = DeviceSteps.slot_to_host
+                 ) -> None:
+        self.to_host = to_host  # (device copy, positions) -> the host copy of those positions
         self.budget = budget_bytes
         self.bytes = 0
         self.sessions: collections.OrderedDict[Session, None] = collections.OrderedDict()
@@ -136,6 +144,19 @@ class HostSwap:
         self.store(session, SwappedCache(tokens=tuple(tokens), kv=kv, nbytes=nbytes,
                                          on_host=False))
 
+    def copy_out_blocks(self, session: Session, tokens: list[int], device: DeviceSteps,
+                        cache: KVCache, blocks: list[int]) -> None:
+        """Paged layout: launch a copy of the `blocks` of `session` (holding `tokens`), whose
+        blocks are about to be freed, if the budget allows, without waiting for it."""
+        nbytes = len(blocks) * device.block_bytes()
+        if not self.fits(nbytes):
+            return
+        self.make_room(nbytes)
+        with perf.span(SWAP, direction="out", tokens=len(tokens)):
+            kv = device.start_read_blocks(cache, blocks)
+        self.store(session, SwappedCache(tokens=tuple(tokens), kv=kv, nbytes=nbytes,
+                                         on_host=False))
+
     def store(self, session: Session, cache: SwappedCache) -> None:
         session.swapped = cache
         self.sessions[session] = None
@@ -154,7 +175,7 @@ class HostSwap:
             if not wait and not cache.kv.is_ready():
                 break  # launched in order: the later ones are not done either
             session.swapped = dataclasses.replace(
-                cache, kv=DeviceSteps.slot_to_host(cache.kv, len(cache.tokens)), on_host=True)
+                cache, kv=self.to_host(cache.kv, len(cache.tokens)), on_host=True)
             del self.copying[session]
 
     def drop(self, session: Session) -> None:
@@ -184,7 +205,8 @@ class EvictedCaches:
 
     def __init__(self, device: DeviceSteps, config: EngineConfig, counters: Counters) -> None:
         self.device = device
-        self.swap = HostSwap(int(config.swap_space_gib * 2**30), counters)
+        self.swap = HostSwap(int(config.swap_space_gib * 2**30), counters,
+                             device.blocks_to_host if device.paged else DeviceSteps.slot_to_host)
         self.parking = Parking(config.parked_slots, counters)
         self.pool = device.new_pool() if config.parked_slots else None  # the parking cache
         self.counters = counters
@@ -241,6 +263,19 @@ class EvictedCaches:
             cache = self.device.write_slot(cache, slot, swapped.kv)
         self.counters.swapped_in += 1
         return cache, list(swapped.tokens)
+
+    def restore_blocks(self, cache: KVCache, session: Session, blocks: list[int]) -> KVCache:
+        """Paged layout: write `session`'s host copy back into `blocks` (the first of the
+        new blocks its next turn got, as many as hold the positions it reuses) and forget the
+        copy."""
+        swapped = session.swapped
+        assert swapped is not None
+        self.swap.drop(session)
+        if blocks:
+            with perf.span(SWAP, direction="in", tokens=len(swapped.tokens)):
+                cache = self.device.write_blocks(cache, blocks, swapped.kv)
+            self.counters.swapped_in += 1
+        return cache
 
     def flush(self, cache: KVCache) -> KVCache:
         """Run the parking moves planned so far as one device call."""
