@@ -33,7 +33,14 @@ from tqdm import tqdm
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.environment import HELD_OUT_SEED, Environment, Split, draw_task
-from nonstop.agentic.envs import CalculatorEnv, GridWorldEnv
+from nonstop.agentic.envs import (
+    BM25Index,
+    CalculatorEnv,
+    GridWorldEnv,
+    PythonEnv,
+    RetrievalEnv,
+    generate_corpus,
+)
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.parsers import get_parser
@@ -74,7 +81,7 @@ from nonstop.train import (
 )
 from nonstop.train.metrics import truncate_jsonl
 
-EnvName = Literal["calculator", "gridworld"]
+EnvName = Literal["calculator", "gridworld", "python", "retrieval"]
 EnvBackend = Literal["local", "ray"]
 # Training draws split "train" of the environment, evaluation split "eval" (`draw_task`): the
 # built-in environments split their problems by a hash; a seed-only environment (a user's, a
@@ -181,7 +188,20 @@ def make_env(cfg: EnvSettings) -> Environment:
         return make_custom_env(cfg, eval_seed_offset=EVAL_SEED_OFFSET)
     if cfg.name == "calculator":
         return CalculatorEnv(CalculatorConfig(max_operand=cfg.max_operand))
+    if cfg.name == "python":  # model code runs in the sandbox (refused where it has no boundary)
+        return PythonEnv()
+    if cfg.name == "retrieval":
+        documents, tasks, index = _retrieval_corpus()
+        return RetrievalEnv(documents=documents, tasks=tasks, index=index)
     return GridWorldEnv()
+
+
+@functools.cache
+def _retrieval_corpus() -> tuple[list, list, BM25Index]:
+    """The generated corpus, its questions and their BM25 index: built once per process, shared
+    by every episode's environment."""
+    documents, tasks = generate_corpus(0)
+    return documents, tasks, BM25Index(documents)
 
 
 @contextlib.contextmanager
