@@ -23,6 +23,12 @@ from nonstop.agentic.envs import (
     make_problem,
     shortest_path,
 )
+from nonstop.agentic.envs.calculator import (
+    calculator_tool,
+    count_operations,
+    count_problems,
+    solution_calls,
+)
 from nonstop.agentic.parsers import get_parser
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig
 from nonstop.models.chat import ChatTemplate, ToolCall
@@ -59,7 +65,7 @@ def test_evaluate_is_safe_and_exact():
 
 
 def test_calculator_problems_are_consistent():
-    config = CalculatorConfig(ops=("+", "-", "*", "/"), num_steps=3, max_operand=20)
+    config = CalculatorConfig(ops=("+", "-", "*", "/"), num_steps=3, max_operand=20, max_turns=4)
     for seed in range(40):
         task = make_problem(random.Random(seed), config)
         assert evaluate(task.info["expression"]) == int(task.answer) >= 0
@@ -67,9 +73,44 @@ def test_calculator_problems_are_consistent():
     assert make_problem(random.Random(3), config) == make_problem(random.Random(3), config)
 
 
-def test_calculator_episode_with_parsed_text_and_errors():
+def test_the_default_calculator_is_wide_and_needs_a_call_per_step():
+    config = CalculatorConfig()
+    assert set(config.ops) == {"+", "-", "*", "/"} and config.max_operand >= 1000
+    # every distinct problem counted (start value and operations; names and items aside)
+    assert count_problems(config) > 10**9
+    assert count_problems(CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1)) == 610
+    tasks = [make_problem(random.Random(seed), config) for seed in range(3000)]
+    assert len({t.info["expression"] for t in tasks}) > 2980  # next to no repeats in 3000
+    assert {op for t in tasks for op, _ in t.info["steps"]} == {"+", "-", "*", "/"}
+    assert max(int(t.info["start"]) for t in tasks) > 990
+    assert max(b for t in tasks for op, b in t.info["steps"] if op in "+/") > 900
+    for task in tasks[:200]:
+        calls = solution_calls(task, config)
+        assert len(calls) == 2 and calls[-1][1] == int(task.answer)
+        assert all(count_operations(expression) == 1 for expression, _ in calls)
+        assert calls[1][0].startswith(f"{calls[0][1]} ")  # the second call uses the first's result
+    assert len(solution_calls(tasks[0], CalculatorConfig(ops_per_call=None))) == 1
+
+
+def test_the_calculator_takes_one_operation_per_call():
     async def main():
         env = CalculatorEnv()
+        task = env.sample_task(3)
+        await env.reset(task)
+        whole = ToolCall(name="calculator", arguments={"expression": task.info["expression"]})
+        return task, await env.step(AgentAction.calls(whole))
+
+    task, refused = asyncio.run(main())
+    assert not refused.done and refused.info["tool_errors"] == ["exception"]
+    assert "2 operations in one call; this calculator does 1 per call" in refused.messages[0].content
+    assert CalculatorEnv(CalculatorConfig(ops_per_call=None)).tools.names == ("calculator",)
+    tool = calculator_tool(ops_per_call=None)
+    assert asyncio.run(tool({"expression": task.info["expression"]})) == task.answer
+
+
+def test_calculator_episode_with_parsed_text_and_errors():
+    async def main():
+        env = CalculatorEnv(CalculatorConfig(num_steps=1))
         task = env.sample_task(5)
         obs = await env.reset(task)
         assert obs.text == task.prompt and obs.messages()[0].role == "system"
@@ -92,10 +133,10 @@ def test_calculator_episode_with_parsed_text_and_errors():
 
 def test_calculator_wrong_answer_and_turn_limit():
     async def main():
-        env = CalculatorEnv(CalculatorConfig(max_turns=2))
+        env = CalculatorEnv(CalculatorConfig(num_steps=1, max_turns=2))
         task = await env.reset(seed=1)
         wrong = await env.step(AgentAction.answer(str(int(task.task.answer) + 1)))
-        env2 = CalculatorEnv(CalculatorConfig(max_turns=2))
+        env2 = CalculatorEnv(CalculatorConfig(num_steps=1, max_turns=2))
         await env2.reset(seed=1)
         call = ToolCall(name="calculator", arguments={"expression": "1+1"})
         first = await env2.step(AgentAction.calls(call))
@@ -108,9 +149,15 @@ def test_calculator_wrong_answer_and_turn_limit():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_calculator_demonstrations_score_full_reward(seed):
-    env = CalculatorEnv(CalculatorConfig(ops=("+", "-", "*", "/"), num_steps=2))
-    assert asyncio.run(replay(env, env.sample_task(seed))) == (1.0, 1.0)
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("ops_per_call", [1, 2, None])
+def test_calculator_demonstrations_score_full_reward(seed, split, ops_per_call):
+    env = CalculatorEnv(CalculatorConfig(num_steps=3, ops_per_call=ops_per_call))
+    task = env.sample_task(seed, split=split)
+    demo = env.demonstration(task)
+    calls = [m for m in demo if m.tool_calls]
+    assert len(calls) == {1: 3, 2: 2, None: 1}[ops_per_call]
+    assert asyncio.run(replay(env, task)) == (1.0, 1.0)
 
 
 def test_calculator_demonstration_renders_in_every_format():
@@ -263,6 +310,14 @@ def test_last_number():
          r"^CalculatorConfig\.ops=\('\+', '\^'\) is invalid; expected a non-empty subset of "),
         (lambda: CalculatorConfig(num_steps=5),
          r"^CalculatorConfig\.num_steps=5 is invalid; expected an int in \[1, 4\]$"),
+        (lambda: CalculatorConfig(max_factor=1),
+         r"^CalculatorConfig\.max_factor=1 is invalid; expected an int >= 2$"),
+        (lambda: CalculatorConfig(ops_per_call=0),
+         r"^CalculatorConfig\.ops_per_call=0 is invalid; expected an int >= 1$"),
+        (lambda: CalculatorConfig(num_steps=3, max_turns=3),  # three calls, then the answer
+         r"^CalculatorConfig\.max_turns=3 is invalid; expected an int >= 4$"),
+        (lambda: CalculatorConfig(eval_fraction=0.0),
+         r"^CalculatorConfig\.eval_fraction=0\.0 is invalid; expected a float in \(0, 1\)"),
         (lambda: GridWorldConfig(width=1),
          r"^GridWorldConfig\.width=1 is invalid; expected an int >= 2$"),
         (lambda: GridWorldConfig(height=2, width=2, num_walls=3),

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nonstop.agentic.environment import AgentAction
-from nonstop.agentic.envs import CalculatorEnv
+from nonstop.agentic.envs import CalculatorConfig, CalculatorEnv
 from nonstop.agentic.parsers import TOOL_PARSERS, get_parser, parse_tool_calls, parser_name_for
 from nonstop.models.chat import ChatTemplate, Message, ToolCall
 from nonstop.models.chat_templates import BUILTIN_TEMPLATES
@@ -241,7 +241,7 @@ def test_the_agent_path_runs_parsed_calls_and_shows_errors(parser):
     result is the answer; a malformed one comes back as an error observation, not an exception."""
 
     async def main():
-        env = CalculatorEnv()
+        env = CalculatorEnv(CalculatorConfig(num_steps=1))  # the whole problem in one call
         task = env.sample_task(5)
         await env.reset(task)
         p = get_parser(parser)

@@ -58,7 +58,7 @@ class SlowCalculatorEnv(CalculatorEnv):
     """A calculator whose every step first waits `delay_s` (a slow tool, in effect)."""
 
     def __init__(self, delay_s: float) -> None:
-        super().__init__(CalculatorConfig(max_operand=20))
+        super().__init__(CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1))
         self.delay_s = delay_s
 
     async def step(self, action: AgentAction) -> StepResult:
