@@ -201,11 +201,19 @@ class WorkerExtension:
         return len(staged)
 
     def nonstop_load_staged(self) -> int:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
         staged = self.__dict__.pop("_nonstop_staged", [])
-        self.model_runner.reload_weights(
-            weights_iterator=iter(staged),  # type: ignore[attr-defined]
-            is_checkpoint_format=True,
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=iter(staged), is_checkpoint_format=True
         )
+        # On CPU an embedding keeps a prepacked copy of its weight for when it is also the
+        # output layer (tied embeddings); vLLM 0.32's in-place reload leaves that copy on the
+        # old weights, so repack it from the new ones.
+        for module in model.modules():
+            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+                module.quant_method.process_weights_after_loading(module)
         return len(staged)
 
 
