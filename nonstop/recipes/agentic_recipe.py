@@ -31,7 +31,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from nonstop import perf
-from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
+from nonstop.agentic.config import (
+    AgentConfig,
+    OrchestratorConfig,
+    RolloutConfig,
+    StreamingLearnerConfig,
+)
 from nonstop.agentic.environment import HELD_OUT_SEED, Environment, Split, draw_task
 from nonstop.agentic.envs import (
     BM25Index,
@@ -54,7 +59,7 @@ from nonstop.agentic.streaming import (
     process_group_ids,
 )
 from nonstop.agentic.trajectory_builder import ChatInteraction
-from nonstop.engine import Engine, EngineConfig, RolloutClient, gc_heap_frozen
+from nonstop.engine import EngineConfig, RolloutClient, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig
 from nonstop.models import Tokenizer
 from nonstop.models.chat_templates import ChatFormat
@@ -145,6 +150,7 @@ class AgenticRunConfig:
     packing: PackingConfig = PackingConfig(buckets=(320, 512, 1024), rows_per_batch=16,
                                            max_segments_per_row=4, overlong="truncate")
     engine: EngineConfig = EngineConfig(max_slots=64, max_len=512)
+    rollout: RolloutConfig = RolloutConfig()  # rollout.backend: local (Engine) or vllm
     # Held-out evaluation every `eval_every` steps (0: before and after training only): the
     # greedy solve rate and, with `pass_k`, pass@k (k samples per task at the training
     # temperature; a task passes when one of them solves it).
@@ -384,8 +390,8 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
         # Several processes: each host's engine holds a local copy of the initial model (the
         # trainer's arrays span every host) and takes the trainer's weights as they are pushed.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, cfg.engine, tokenizer=tokenizer, policy_version=start
-                    ) as engine, env_backend(cfg.env) as new_env, TerminationGuard() as guard:
+        with cfg.rollout.build(engine_model, cfg.engine, tokenizer=tokenizer, policy_version=start
+                               ) as engine, env_backend(cfg.env) as new_env, TerminationGuard() as guard:
             if processes > 1 and start:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start)
             if resumed is not None and "eval_before" in resumed.data:
