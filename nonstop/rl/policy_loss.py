@@ -175,6 +175,25 @@ def _old_logprobs(
     return jax.lax.stop_gradient(logprobs)
 
 
+def behavior_mismatch(
+    logprobs: jax.Array, behavior_logprobs: jax.Array, loss_mask: jax.Array
+) -> dict[str, jax.Array]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's
+    (float32[B,T] each; no gradient): the mean and max of |behavior - trainer| over the loss
+    tokens, and the k3 estimate of KL(behavior || trainer) from those samples,
+    r - 1 - log r with r = pi_trainer / pi_behavior. With the trainer on the weights that
+    sampled (staleness 0, the step's first pass) this is the backend's numerical mismatch
+    (a different engine, kernels or dtype); otherwise it includes the policy's lag."""
+    trainer = jax.lax.stop_gradient(logprobs)
+    gap = jnp.where(loss_mask, jnp.abs(trainer - behavior_logprobs), 0.0)
+    k3 = kl_estimate(behavior_logprobs, trainer, loss_mask, estimator="k3")
+    return {
+        "behavior_logprob_gap_mean": masked_mean(gap, loss_mask),
+        "behavior_logprob_gap_max": jnp.max(gap),
+        "behavior_kl_k3": masked_mean(k3, loss_mask),
+    }
+
+
 def policy_loss(
     logprobs: jax.Array,
     *,
@@ -232,6 +251,7 @@ def policy_loss(
         "clip_fraction": masked_mean(clipped.astype(jnp.float32), loss_mask),
         "ratio_mean": masked_mean(ratio, loss_mask),
         "importance_weight_mean": masked_mean(weights, loss_mask),
+        **behavior_mismatch(logprobs, behavior_logprobs, loss_mask),
     }
     if off_policy.correction == "sequence_mask":
         present = segment_token_counts(loss_mask, segment_ids, max_segments) > 0

@@ -319,7 +319,8 @@ class PolicyTrainer:
         return dataclasses.replace(batch, **changes) if changes else batch
 
     def train(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """μ epochs of optimizer steps over the trajectories; returns the mean of the metrics."""
+        """μ epochs of optimizer steps over the trajectories; returns the mean of the metrics
+        (of those named *_max, the max)."""
         if not trajectories and jax.process_count() == 1:
             raise ValueError("train() needs at least one trajectory")
         packed = self.pack(trajectories) if trajectories else []
@@ -348,7 +349,10 @@ class PolicyTrainer:
                 self.steps_taken += 1
                 collected.append(metrics)
         perf.count(perf.TRAIN_TOKENS, int(sum(p.stats.real_tokens for p in packed)))
-        out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+        # Means over the micro-batches, except maxima (e.g. behavior_logprob_gap_max).
+        out = {k: float((np.max if k.endswith("_max") else np.mean)([float(m[k])
+                                                                     for m in collected]))
+               for k in collected[0]}
         out.update(extra)
         out["optimizer_steps"] = float(len(collected))
         out["packed_rows"] = float(sum(p.stats.rows_used for p in packed))
