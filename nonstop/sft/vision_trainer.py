@@ -17,8 +17,8 @@ Checkpoints are the text trainer's (`nonstop.train.Checkpointer`: Orbax, atomic,
 in RUN_DIR/checkpoints every `checkpoint.save_every` steps, after the last step, and when
 `stop_requested()` turns true (the CLI's SIGTERM): the trainable params (the adapters), the
 optimizer state, the step and the RNG key, with the data cursor as JSON — how many examples of
-the `ExampleOrder` stream were consumed, plus the data file's size and SHA-256 so that a resume
-on other data is refused. Run again on the same RUN_DIR, `train_vision` restores the latest
+the `ExampleOrder` stream were consumed, plus the number of examples and the data file's SHA-256,
+so that a resume on other data is refused. Run again on the same RUN_DIR, `train_vision` restores the latest
 complete checkpoint and continues exactly: the same batches, the same dropout keys, the same
 parameters as a run never stopped. Which data lines each step trained on is logged to
 RUN_DIR/examples.jsonl (steps after the restored checkpoint are dropped on resume, like
@@ -40,10 +40,9 @@ Metrics per step: loss, learning_rate, grad_norm, the loss's denominator (`loss_
 `pairs` for DPO), tokens (real tokens in the batch, image placeholders included) and
 tokens_per_second, images (real images in the batch), and for DPO the DPO metrics.
 
-Departures from the text trainer (`trainer.py`): no packing (an example per row), no
-gradient accumulation, and every image is decoded up front into host
-memory (on every process) — what the text trainer's Grain pipeline adds is not yet wired to
-images.
+Departures from the text trainer (`trainer.py`): no packing (an example per row), no gradient
+accumulation, and every image is decoded up front into host memory (on every process) — what the
+text trainer's Grain pipeline adds is not yet wired to images.
 """
 
 from __future__ import annotations
