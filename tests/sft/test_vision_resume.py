@@ -173,3 +173,22 @@ def test_sigterm_checkpoints_the_current_step_and_resume_finishes(checkpoint, da
     assert (run_dir / "export" / "model.safetensors").exists()
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
     trained_lines(run_dir)  # each step once
+
+
+@pytest.mark.parametrize("num_examples, batch_size", [(5, 2), (6, 3), (3, 4), (7, 7)])
+def test_example_order_skip_lands_where_the_takes_left_off(num_examples, batch_size):
+    from nonstop.sft.vision_trainer import ExampleOrder
+
+    steps = 11
+    whole = ExampleOrder(num_examples, seed=3)
+    drawn = [whole.take(batch_size) for _ in range(steps)]
+    for stop in range(steps):
+        resumed = ExampleOrder(num_examples, seed=3)
+        resumed.skip(sum(len(batch) for batch in drawn[:stop]))
+        assert [resumed.take(batch_size) for _ in range(stop, steps)] == drawn[stop:]
+    # Epoch by epoch: every full epoch's draws hold each example once.
+    flat = [i for batch in drawn for i in batch]
+    for epoch in range(len(flat) // num_examples):
+        assert sorted(flat[epoch * num_examples : (epoch + 1) * num_examples]) == list(
+            range(num_examples)
+        )
