@@ -11,7 +11,12 @@ guess from text); `skip_special_tokens: false`, so stop strings see the same tex
 The completion's `policy_versions` come from the server when it reports them (`nonstop serve`
 does), else from the constant `policy_version`; its finish reason from `engine_finish_reason`
 when present, else from the OpenAI one ("length" cannot tell `max_tokens` from a full context).
-Sessions are accepted and ignored (vLLM's and SGLang's prefix caches give the same saving).
+Sessions are handles only (vLLM's and SGLang's prefix caches give the same saving; a closed
+one is refused, as locally). It is a `protocol.RolloutClient` (what the agent, the orchestrator
+and the evaluator need): `config.max_len` is the `max_len=` given (the server's context),
+`stats()` counts what this client sent and received, and the intervals with requests in flight
+are recorded as `perf.ENGINE` busy time. It is not yet a `RolloutEngine`: nonstop serve has no
+weight-update endpoint, so the learners cannot publish weights to it.
 
 Connection failures and 502/503/504 are retried with exponential backoff; a 4xx raises
 `RemoteRequestError` (also an engine `RequestError`) with the server's message, a 5xx or a
@@ -21,14 +26,19 @@ malformed response `RemoteEngineError`. docs/engine.md has an example.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
+from nonstop import perf
 from nonstop.engine.sampling import SamplingParams
-from nonstop.engine.types import FINISH_REASONS, Completion, RequestError
+from nonstop.engine.types import FINISH_REASONS, Completion, EngineError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,53 @@ def _sampled_ids(choice: dict[str, Any], logprobs: dict[str, Any]) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemoteLimits:
+    """`RemoteEngine.config`: the server's context per request and its concurrency (as given
+    to the client; None where not given)."""
+
+    max_len_given: int | None
+    max_slots: int = 1
+
+    @property
+    def max_len(self) -> int:
+        if self.max_len_given is None:
+            raise EngineError("RemoteEngine.config.max_len: unknown; pass max_len= (the "
+                              "server's context, /v1/models max_model_len) to RemoteEngine")
+        return self.max_len_given
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemoteStats:
+    """What this client sent and received since it was made (not the server's counters)."""
+
+    generated_tokens: int
+    completed: int
+    failed: int
+    waiting: int  # always 0: requests queue on the server
+    active_slots: int  # requests in flight from this client
+    cached_tokens: int  # not reported by the server: 0
+    prefix_hit_tokens: int  # not reported by the server: 0
+    policy_version: int
+
+
+class RemoteSession:
+    """A multi-turn episode's handle; the server's prefix cache makes later turns cheap."""
+
+    def __init__(self, session_id: int) -> None:
+        self.id = session_id
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class RemoteEngine:
     """`await generate(token_ids, params)` against an OpenAI-compatible completions server."""
 
@@ -98,11 +155,15 @@ class RemoteEngine:
         retry_backoff_s: float = 0.5,
         policy_version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_len: int | None = None,
+        max_slots: int = 1,
     ):
         """`model`: the served model's name, or None to ask the server's /v1/models once.
         `timeout`: seconds for one HTTP request (a whole generation). `max_retries`: further
         attempts after a connection error or a 502/503/504. `policy_version`: reported for every
-        token when the server does not report versions itself."""
+        token when the server does not report versions itself. `max_len`, `max_slots`: the
+        server's context per request and concurrency, reported as `config` (the agent reads
+        `config.max_len`)."""
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if max_retries < 0:
@@ -114,10 +175,30 @@ class RemoteEngine:
         self.policy_version = policy_version
         self._max_retries = max_retries
         self._backoff = retry_backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers,
-                                         timeout=httpx.Timeout(timeout), transport=transport)
-        self._model_lock = asyncio.Lock()
+        self.config = RemoteLimits(max_len_given=max_len, max_slots=max_slots)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = httpx.Timeout(timeout)
+        self._transport = transport
+        # One HTTP client per event loop: callers may run several `asyncio.run`s in turn.
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._model_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self._session_ids = itertools.count()
+        self._counts = dict(generated_tokens=0, completed=0, failed=0)
+        self._in_flight = 0
+        self._busy_since = 0
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            for old in [lp for lp in self._clients if lp.is_closed()]:
+                self._clients.pop(old)
+                self._model_locks.pop(old, None)
+            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
+                                       timeout=self._timeout, transport=self._transport)
+            self._clients[loop] = client
+        return client
 
     async def __aenter__(self) -> RemoteEngine:
         return self
@@ -125,8 +206,37 @@ class RemoteEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     async def aclose(self) -> None:
-        await self._client.aclose()
+        loop = asyncio.get_running_loop()
+        client = self._clients.pop(loop, None)
+        if client is not None:
+            await client.aclose()
+        self.close()
+
+    def close(self) -> None:
+        """Close the HTTP clients of loops that have ended (a running loop's client is closed
+        by `aclose`, or when its loop ends)."""
+        for loop in list(self._clients):
+            if not loop.is_running():
+                client = self._clients.pop(loop)
+                with contextlib.suppress(Exception):
+                    asyncio.run(client.aclose())
+
+    def session(self) -> RemoteSession:
+        """A session handle (see the module docstring)."""
+        return RemoteSession(next(self._session_ids))
+
+    def stats(self) -> RemoteStats:
+        return RemoteStats(generated_tokens=self._counts["generated_tokens"],
+                           completed=self._counts["completed"], failed=self._counts["failed"],
+                           waiting=0, active_slots=self._in_flight, cached_tokens=0,
+                           prefix_hit_tokens=0, policy_version=self.policy_version)
 
     # ---------------------------------------------------------------- HTTP
 
@@ -164,7 +274,8 @@ class RemoteEngine:
         return [entry["id"] for entry in body.get("data", [])]
 
     async def _model_name(self) -> str:
-        async with self._model_lock:
+        lock = self._model_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:
             if self.model is None:
                 names = await self.models()
                 if not names:
@@ -199,11 +310,31 @@ class RemoteEngine:
             body["seed"] = params.seed
         return body
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                       session: object | None = None) -> Completion:
-        """Sample a continuation of `token_ids`; `session` is accepted and ignored (see module)."""
-        del session
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams | None = None,
+                       session: RemoteSession | None = None) -> Completion:
+        """Sample a continuation of `token_ids` (`session`: see the module docstring).
+        Cancelling the awaiting task closes the HTTP request; the server then frees it."""
+        if session is not None and session.closed:
+            raise RequestError(f"session: session {session.id} is closed")
+        params = params or SamplingParams()
         body = self.request_body(await self._model_name(), token_ids, params)
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter_ns()
+        self._in_flight += 1
+        try:
+            completion = await self._completion(body)
+        except BaseException:
+            self._counts["failed"] += 1
+            raise
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                perf.device_busy_interval(perf.ENGINE, self._busy_since, time.perf_counter_ns())
+        self._counts["completed"] += 1
+        self._counts["generated_tokens"] += len(completion.tokens)
+        return completion
+
+    async def _completion(self, body: dict[str, Any]) -> Completion:
         response = await self._request("POST", "/completions", json=body)
         try:
             choice = response["choices"][0]
