@@ -131,7 +131,7 @@ class Decoder(nnx.Module):
         `lookahead` int32[B, T]: extra following keys each query may see; `attend_len`: attend
         over the cache's first positions only (both: see `Attention`)."""
         ropes: dict[LayerType, tuple[Array, Array]] = {
-            t: rope_angles(positions, np.asarray(self._inv_freq[t], np.float32)) for t in set(self.cfg.layer_types)
+            t: rope_angles(positions, np.asarray(self._inv_freq[t], np.float32)) for t in dict.fromkeys(self.cfg.layer_types)  # ordered: one HLO in every process
         }
         new_keys, new_values = [], []
         for i, block in enumerate(self.layers):

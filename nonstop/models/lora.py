@@ -87,6 +87,17 @@ def project(x: Array, weight: nnx.Param | QuantizedWeight | LoRAWeight, n_in: in
     return jnp.tensordot(x, weight_value(weight, x.dtype), axes=n_in)
 
 
+def reseeded(model: nnx.Module, rng: Array) -> nnx.Module:
+    """`model` with its dropout streams (LoRA dropout) reseeded from `rng`, for use inside a
+    traced loss: a step merges the model inside its gradient trace from variables of the
+    enclosing jit trace, which NNX refuses to mutate (TraceContextError). The copy is made at
+    the gradient's level and holds the same arrays, so gradients still reach the original's."""
+    graphdef, variables = nnx.split(model)
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x, variables))
+    nnx.reseed(model, dropout=rng)
+    return model
+
+
 def _targets(model: nnx.Module, names: tuple[str, ...]):
     for block in model.layers:
         for name in names:

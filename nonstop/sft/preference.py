@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nonstop.models.lora import reseeded
 from nonstop.sft.losses import (
     DPOConfig,
     ORPOConfig,
@@ -82,9 +83,9 @@ def forward_logprobs(model: nnx.Module, batch: TrainBatch) -> jax.Array:
     return token_logprobs(logits, batch.tokens)
 
 
-def _reseed(model: nnx.Module, rng: jax.Array, dropout: bool) -> None:
-    if dropout:
-        nnx.reseed(model, dropout=rng)
+def _reseed(model: nnx.Module, rng: jax.Array, dropout: bool) -> nnx.Module:
+    """The model to run: with `dropout`, a copy whose LoRA dropout is reseeded from `rng`."""
+    return reseeded(model, rng) if dropout else model
 
 
 def sft_loss_fn(*, dropout: bool = False) -> LossFn:
@@ -92,7 +93,7 @@ def sft_loss_fn(*, dropout: bool = False) -> LossFn:
 
     def loss_fn(model: nnx.Module, batch: TrainBatch, rng: jax.Array):
         policy = policy_of(model)
-        _reseed(policy, rng, dropout)
+        policy = _reseed(policy, rng, dropout)
         logits, _ = policy(batch.tokens, batch.positions, batch.segment_ids)
         nll = masked_cross_entropy(logits, batch.tokens, batch.loss_mask, batch.segment_ids)
         return nll.total, nll.count, {}
@@ -122,7 +123,7 @@ def dpo_loss_fn(
 
     def loss_fn(model: nnx.Module, batch: TrainBatch, rng: jax.Array):
         policy = policy_of(model)
-        _reseed(policy, rng, dropout)
+        policy = _reseed(policy, rng, dropout)
         pairs = _pairs(forward_logprobs(policy, batch), batch, num_segments, average)
         ref_pairs = None
         if not config.reference_free:
@@ -144,7 +145,7 @@ def orpo_loss_fn(config: ORPOConfig, *, num_segments: int, dropout: bool = False
 
     def loss_fn(model: nnx.Module, batch: TrainBatch, rng: jax.Array):
         policy = policy_of(model)
-        _reseed(policy, rng, dropout)
+        policy = _reseed(policy, rng, dropout)
         pairs = _pairs(forward_logprobs(policy, batch), batch, num_segments, average=False)
         loss, metrics = orpo_loss(pairs)
         nll, odds = loss.nll, loss.odds_ratio

@@ -66,7 +66,7 @@ from nonstop import perf
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.checkpoint import load_pretrained, save_pretrained
 from nonstop.models.image_processor import ImageProcessor
-from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora
+from nonstop.models.lora import LoRAConfig, apply_lora, merge_lora, reseeded
 from nonstop.models.multimodal import Gemma3VLM
 from nonstop.models.sharding import MeshShape
 from nonstop.models.tokenizer import Tokenizer
@@ -260,14 +260,8 @@ def make_loss_fn(cfg: VisionTrainConfig) -> LossFn:
         return loss_fn
 
     def with_dropout(model: nnx.Module, batch: VisionBatch, rng: jax.Array):
-        # A fresh LoRA dropout mask each step from the step's key. The step merges the model
-        # inside its gradient trace from variables of the enclosing jit trace, which NNX refuses
-        # to mutate (TraceContextError); a copy made here, at the gradient's level, may be
-        # reseeded, and the gradient still reaches the adapters through the same arrays.
-        graphdef, variables = nnx.split(model)
-        model = nnx.merge(graphdef, jax.tree.map(lambda x: x, variables))
-        nnx.reseed(model, dropout=rng)
-        return loss_fn(model, batch, rng)
+        # A fresh LoRA dropout mask each step from the step's key (`reseeded`: why a copy).
+        return loss_fn(reseeded(model, rng), batch, rng)
 
     return with_dropout
 

@@ -115,3 +115,34 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"^QuantConfig\.kind='fp3' is invalid; expected one of "
                                          r"'nf4', 'int8'"):
         QuantConfig(kind="fp3")
+
+
+@pytest.mark.parametrize("kind", ["sft", "orpo"])
+def test_lora_dropout_trains_through_the_supervised_losses(kind):
+    """LoRA dropout inside a jitted step (the step reseeds a copy of the model: NNX refuses to
+    mutate the traced one, TraceContextError): the adapters move, the same key gives the same
+    update and another key another dropout mask, so another update."""
+    from nonstop.sft.preference import ORPOConfig, orpo_loss_fn, sft_loss_fn
+    from nonstop.train.batch import TrainBatch
+
+    batch = TrainBatch(tokens=TOKENS,
+                       positions=jnp.asarray(np.tile(np.arange(12), (4, 1)), jnp.int32),
+                       segment_ids=jnp.asarray(np.repeat([[1] * 6 + [2] * 6], 4, 0), jnp.int32),
+                       loss_mask=jnp.asarray(np.tile([0, 0, 1, 1, 1, 1] * 2, (4, 1)), bool))
+    loss_fn = (sft_loss_fn(dropout=True) if kind == "sft"
+               else orpo_loss_fn(ORPOConfig(), num_segments=2, dropout=True))
+    model = apply_lora(init_decoder(CFG, seed=1), LoRAConfig(rank=4, alpha=8.0, dropout=0.5))
+    before = jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+    optimizer = optax.sgd(1e-1)
+    step = make_train_step(loss_fn, optimizer, donate=False)
+
+    def update(seed: int) -> list[np.ndarray]:
+        state = TrainState.create(model, optimizer, rng=jax.random.key(seed), wrt=nnx.LoRAParam)
+        new_state, _ = step(state, batch)
+        after = jax.tree.leaves(nnx.state(new_state.model(), nnx.LoRAParam))
+        return [np.asarray(a - b) for a, b in zip(after, before, strict=True)]
+
+    first, again, other = update(0), update(0), update(1)
+    assert max(float(np.abs(d).max()) for d in first) > 0
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(np.allclose(a, b) for a, b in zip(first, other, strict=True))
