@@ -196,8 +196,12 @@ class WorkerExtension:
         with warnings.catch_warnings():  # the bytes are read-only; load_weights copies them
             warnings.simplefilter("ignore", UserWarning)
             for name, dtype, shape, data in chunk:
-                array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-                staged.append((name, torch.from_numpy(array)))
+                if dtype == "bfloat16":  # numpy has no bfloat16 of its own: move the bits
+                    bits = np.frombuffer(data, dtype=np.uint16).reshape(shape)
+                    staged.append((name, torch.from_numpy(bits).view(torch.bfloat16)))
+                else:
+                    array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+                    staged.append((name, torch.from_numpy(array)))
         return len(staged)
 
     def nonstop_load_staged(self) -> int:
@@ -667,7 +671,7 @@ class VLLMEngine:
                     if size and size + array.nbytes > chunk_bytes:
                         chunks.append([])
                         size = 0
-                    chunks[-1].append((name, array.dtype.str, list(array.shape), array.tobytes()))
+                    chunks[-1].append((name, array.dtype.name, list(array.shape), array.tobytes()))
                     size += array.nbytes
             except (KeyError, ValueError, TypeError) as error:
                 raise ValueError(
