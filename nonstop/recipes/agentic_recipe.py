@@ -56,7 +56,6 @@ from nonstop.agentic.streaming import (
     StepRecord,
     StreamingLearner,
     SyncLearner,
-    process_group_ids,
 )
 from nonstop.agentic.trajectory_builder import ChatInteraction
 from nonstop.engine import EngineConfig, RolloutClient, gc_heap_frozen
@@ -70,7 +69,12 @@ from nonstop.models.validation import check, check_int
 from nonstop.perf import busy_fraction, read_events
 from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.custom_env import check_custom_env, make_custom_env, uses_custom_env
-from nonstop.recipes.learner_state import LearnerCheckpoints, RunStopped, TerminationGuard
+from nonstop.recipes.learner_state import (
+    LearnerCheckpoints,
+    RunStopped,
+    TerminationGuard,
+    resumed_group_ids,
+)
 from nonstop.recipes.rl_recipe import AlgorithmName, multi_host_mesh
 from nonstop.recipes.run import start_run
 from nonstop.recipes.tasks.custom import TaskSource
@@ -499,18 +503,6 @@ class StepLog:
         out.update({k: float(v) for k, v in record.metrics.items()
                     if isinstance(v, int | float)})
         return out
-
-
-def resumed_group_ids(cursor: GroupCursor, groups_per_step: int) -> Iterator[int] | None:
-    """The learner's group ids: from the start (None: its default), or, resuming, the groups
-    the stopped run had drawn but not trained, then on (several processes: from the next step
-    block past every process's position)."""
-    if cursor == GroupCursor():
-        return None
-    if jax.process_count() > 1:
-        return process_group_ids(groups_per_step, jax.process_count(), jax.process_index(),
-                                 first_step=-(-cursor.next // groups_per_step))
-    return cursor.group_ids()
 
 
 def save_final_model(trainer: PolicyTrainer, local_model: nnx.Module, directory: Path) -> Path:

@@ -12,7 +12,10 @@ id) plus anything the recipe adds. The KL reference is not saved: it is the init
 which the recipe rebuilds deterministically (same model source and seed, or the run's saved
 warm-up). Episodes carry seeds derived from (seed, group id, index), so a resumed run that
 regenerates its pending groups first draws exactly the samples the uninterrupted run would have
-at `max_staleness: 0`, and at any staleness trains every group once.
+at `max_staleness: 0`, and at any staleness trains every group once. With several processes
+each draws its own block of every step's groups: the checkpoint holds every process's pending
+ids (gathered, in process order) and the highest id any drew, and each resumed process
+regenerates its own pending groups, then goes on from the next step block.
 
 `TerminationGuard` turns SIGTERM into a checkpoint at the next step boundary and a clean stop
 (`RunStopped`).
@@ -23,16 +26,21 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from nonstop.agentic.streaming import GroupCursor
+import jax
+
+from nonstop.agentic.streaming import GroupCursor, process_group_ids
 from nonstop.recipes.run import RunDirs
 from nonstop.rl.policy_trainer import PolicyTrainer
-from nonstop.train import CheckpointConfig, Checkpointer
+from nonstop.train import CheckpointConfig, Checkpointer, distributed
 
 CURSOR_KEY = "group_cursor"
 LEGACY_CONSUMED_KEY = "examples_consumed"  # checkpoints of single-turn runs before the cursor
+BY_PROCESS_KEY = "pending_by_process"  # with several processes: each one's pending group ids
+NEXT_BY_PROCESS_KEY = "next_by_process"  # and each one's next id
 
 
 class RunStopped(RuntimeError):
@@ -83,7 +91,10 @@ class LearnerCheckpoints:
             trainer.critic.state = self.critic.restore(trainer.critic.state, step=step).state
         data = dict(restored.data_state or {})
         if CURSOR_KEY in data:
-            cursor = GroupCursor.from_dict(data.pop(CURSOR_KEY))
+            saved = data.pop(CURSOR_KEY)
+            cursor = GroupCursor.from_dict(saved)
+            if BY_PROCESS_KEY in saved:
+                cursor = process_cursor(saved[BY_PROCESS_KEY], saved[NEXT_BY_PROCESS_KEY])
         else:  # written before the cursor existed: every group below it was trained
             cursor = GroupCursor((), int(data.pop(LEGACY_CONSUMED_KEY, 0)))
         return Resumed(step, cursor, data)
@@ -94,7 +105,13 @@ class LearnerCheckpoints:
     def save(self, step: int, trainer: PolicyTrainer, cursor: GroupCursor, *,
              data: dict[str, Any] | None = None, force: bool = False) -> None:
         """Save after learner step `step` if it is due (or `force`)."""
-        state = {**(data or {}), CURSOR_KEY: cursor.to_dict()}
+        saved = cursor.to_dict()
+        if jax.process_count() > 1:  # every process's pending ids and next id
+            by_process = distributed.gather_int_lists(cursor.pending)
+            nexts = [ids[0] for ids in distributed.gather_int_lists([cursor.next])]
+            saved = {"pending": sorted(g for ids in by_process for g in ids), "next": max(nexts),
+                     BY_PROCESS_KEY: by_process, NEXT_BY_PROCESS_KEY: nexts}
+        state = {**(data or {}), CURSOR_KEY: saved}
         self.policy.save(step, trainer.state, data_state=state, force=force)
         if self.critic is not None:
             self.critic.save(step, trainer.critic.state, data_state=state, force=force)
@@ -110,6 +127,26 @@ class LearnerCheckpoints:
             if ckpt is not None:
                 ckpt.wait()
                 ckpt.close()
+
+
+def process_cursor(pending: list[list[int]], nexts: list[int]) -> GroupCursor:
+    """This process's part of a checkpoint written by several: its own pending ids and next id
+    when the run has as many processes as the one that wrote it; otherwise every process takes
+    every n-th of all pending ids and continues past the highest id any process drew."""
+    processes, rank = jax.process_count(), jax.process_index()
+    if len(pending) == processes:
+        return GroupCursor(tuple(pending[rank]), int(nexts[rank]))
+    every = sorted(g for ids in pending for g in ids)
+    return GroupCursor(tuple(every[rank::processes]), max(nexts))
+
+
+def resumed_group_ids(cursor: GroupCursor, groups_per_step: int) -> Iterator[int]:
+    """This process's group ids from `cursor` (a fresh run's: from 0): the groups it had drawn
+    but not trained, regenerated first, then its own share of each step's ids
+    (`process_group_ids`) from its next id on, as the uninterrupted run would have drawn them."""
+    ids = process_group_ids(groups_per_step, jax.process_count(), jax.process_index(),
+                            first_step=cursor.next // groups_per_step)
+    return cursor.group_ids(g for g in ids if g >= cursor.next)
 
 
 class TerminationGuard:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jax
@@ -34,7 +33,6 @@ from nonstop.agentic.streaming import (
     GroupCursor,
     StepRecord,
     StreamingLearner,
-    process_group_ids,
 )
 from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig, place
@@ -42,7 +40,12 @@ from nonstop.models import Decoder, Tokenizer, load_pretrained, save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
 from nonstop.models.validation import check, check_int, check_ints
-from nonstop.recipes.learner_state import LearnerCheckpoints, RunStopped, TerminationGuard
+from nonstop.recipes.learner_state import (
+    LearnerCheckpoints,
+    RunStopped,
+    TerminationGuard,
+    resumed_group_ids,
+)
 from nonstop.recipes.run import RunDirs, start_run
 from nonstop.recipes.tasks import ArithmeticTask, CountdownTask, Gsm8kTask, Task
 from nonstop.recipes.tasks.custom import check_task_settings, custom_task
@@ -204,17 +207,6 @@ def build_task(cfg: TaskSettings) -> Task:
     if cfg.name == "custom":
         return custom_task(cfg)
     return Gsm8kTask.from_file(cfg.path)
-
-
-def resumed_group_ids(cursor: GroupCursor, groups_per_step: int) -> Iterator[int]:
-    """This process's group ids from where a run stopped: one process regenerates the groups it
-    had drawn but not trained, then continues; several continue at the next step block of ids
-    past every process's position (their pending groups are not regenerated)."""
-    processes = jax.process_count()
-    if processes == 1:
-        return cursor.group_ids()
-    return process_group_ids(groups_per_step, processes, jax.process_index(),
-                             first_step=-(-cursor.next // groups_per_step))
 
 
 def initial_policy(cfg: RLRunConfig, run: RunDirs, tokenizer: Tokenizer, task: Task,

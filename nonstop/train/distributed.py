@@ -310,6 +310,17 @@ def sum_over_processes(values: Any) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(values)).sum(axis=0)
 
 
+def gather_int_lists(values: list[int] | tuple[int, ...]) -> list[list[int]]:
+    """Every process's list of non-negative ints, in process order (a collective)."""
+    if jax.process_count() == 1:
+        return [list(values)]
+    width = max_over_processes(len(values))
+    padded = np.full((max(width, 1),), -1, np.int64)
+    padded[:len(values)] = values
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [[int(v) for v in row if v >= 0] for row in rows]
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier called `name`."""
     if jax.process_count() > 1:
@@ -318,6 +329,7 @@ def barrier(name: str) -> None:
 
 __all__ = [
     "DistributedConfig",
+    "gather_int_lists",
     "barrier",
     "batch_sharding",
     "place_train_state",

@@ -25,7 +25,7 @@ from nonstop.models.validation import ConfigError
 from nonstop.train.distributed import DistributedConfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT_S = 240
+TIMEOUT_S = 420
 TOLERANCE = 1e-5  # the bar; measured: SFT 3.1e-6 (AdamW), GRPO 1.9e-8 (SGD)
 
 
@@ -139,6 +139,14 @@ def test_agentic_recipe_two_processes_equal_one(runs):
     assert len(curves[0]) == 2
     np.testing.assert_allclose(curves[0], curves[1], rtol=0, atol=TOLERANCE)
     assert os.path.exists(os.path.join(runs[1], "agentic", "process_1", "metrics.jsonl"))
+    # Stopped after step 1 and resumed: across both processes every group of the two steps was
+    # trained exactly once, each by the process that drew it, in the step it belongs to.
+    for out, logs in ((runs[0], ["groups.jsonl"]),
+                      (runs[1], ["groups.jsonl", os.path.join("process_1", "groups.jsonl")])):
+        trained = [(x["step"], g) for log in logs
+                   for x in map(json.loads, open(os.path.join(out, "agentic", log)))
+                   for g in x["groups"]]
+        assert sorted(trained) == [(1 + g // 4, g) for g in range(8)], (out, trained)
     # The trained policies (gathered from both hosts in the two-process run) agree, and moved.
     fixture = load_file(os.path.join(REPO_ROOT, "tests", "fixtures", "calculator_sft",
                                      "model.safetensors"))
