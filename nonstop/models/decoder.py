@@ -130,8 +130,10 @@ class Decoder(nnx.Module):
 
         `lookahead` int32[B, T]: extra following keys each query may see; `attend_len`: attend
         over the cache's first positions only (both: see `Attention`)."""
+        # In layer-type order, not set order: every process traces the same HLO.
         ropes: dict[LayerType, tuple[Array, Array]] = {
-            t: rope_angles(positions, np.asarray(self._inv_freq[t], np.float32)) for t in dict.fromkeys(self.cfg.layer_types)  # ordered: one HLO in every process
+            t: rope_angles(positions, np.asarray(self._inv_freq[t], np.float32))
+            for t in dict.fromkeys(self.cfg.layer_types)
         }
         new_keys, new_values = [], []
         for i, block in enumerate(self.layers):
