@@ -34,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"solve rate on {cfg.eval_problems} held-out problems: "
           f"{s['solve_rate_before_rl']:.1%} after SFT -> {s['solve_rate_after_rl']:.1%} after "
           f"{s['rl_steps']} agentic GRPO steps")
+    if cfg.pass_k:
+        k = cfg.pass_k
+        print(f"pass@{k} (one of {k} samples at the training temperature solves it): "
+              f"{s[f'pass@{k}_before_rl']:.1%} -> {s[f'pass@{k}_after_rl']:.1%}")
     print(f"engine busy during RL: {s['engine_busy_fraction']:.1%}")
     print(f"time: SFT {s['sft_seconds']:.0f}s, RL {s['rl_seconds']:.0f}s, "
           f"total {s['seconds']:.0f}s")

@@ -47,9 +47,10 @@ from nonstop.train import CheckpointConfig, MetricsConfig, OptimizerConfig, Pack
 class DemoConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
-    max_operand: int = 20
-    sft_steps: int = 550  # the model learns to copy numbers into tool calls at ~500-600
-    sft_learning_rate: float = 3e-3
+    max_operand: int = 1000
+    sft_steps: int = 800
+    sft_learning_rate: float = 3e-3  # peak; cosine decay to 0 over sft_steps after a warm-up
+    sft_warmup_steps: int = 20
     rl_steps: int = 40
     rl_learning_rate: float = 1e-4
     group_size: int = 8
@@ -57,6 +58,7 @@ class DemoConfig:
     max_staleness: int = 1
     max_concurrency: int = 64
     eval_problems: int = 64
+    pass_k: int = 4  # pass@k on the held-out problems too (k samples at the training temperature)
     hidden_size: int = 128
     num_layers: int = 3
     progress: bool = True
@@ -65,7 +67,7 @@ class DemoConfig:
     def quick(cls, run_dir: str) -> DemoConfig:
         """A shortened demo for tests."""
         return cls(run_dir=run_dir, sft_steps=60, rl_steps=4, eval_problems=24,
-                   groups_per_step=4, group_size=4, progress=False)
+                   groups_per_step=4, group_size=4, pass_k=2, progress=False)
 
     def model_source(self) -> ModelSource:
         return ModelSource(family="qwen3", hidden_size=self.hidden_size,
@@ -77,17 +79,17 @@ class DemoConfig:
         """The RL phase as an `nonstop agentic` run on the calculator environment."""
         return AgenticRunConfig(
             run_dir=str(Path(self.run_dir) / "agentic"), seed=self.seed, steps=self.rl_steps,
-            num_eval=self.eval_problems, model=self.model_source(),
+            num_eval=self.eval_problems, pass_k=self.pass_k, model=self.model_source(),
             tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
             env=EnvSettings(name="calculator", max_operand=self.max_operand,
                             with_tools_in_prompt=False),
             group_size=self.group_size, groups_per_step=self.groups_per_step,
             max_staleness=self.max_staleness, max_concurrency=self.max_concurrency,
-            agent=AgentConfig(max_turns=3, max_tokens_per_turn=96, max_episode_tokens=200,
+            agent=AgentConfig(max_turns=3, max_tokens_per_turn=96, max_episode_tokens=256,
                               step_timeout_s=30.0),
             optimizer=OptimizerConfig(learning_rate=self.rl_learning_rate, schedule="constant",
                                       weight_decay=0.0),
-            packing=PackingConfig(buckets=(320,), rows_per_batch=16, max_segments_per_row=2,
+            packing=PackingConfig(buckets=(512,), rows_per_batch=16, max_segments_per_row=2,
                                   overlong="truncate"),
             engine=EngineConfig(max_slots=self.max_concurrency, max_len=512))
 
@@ -102,16 +104,17 @@ def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: in
 
 def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer) -> Decoder:
     data = Path(cfg.run_dir) / "sft_data.jsonl"
-    write_demonstrations(data, CalculatorConfig(max_operand=cfg.max_operand), n=4000,
-                         seed=cfg.seed)
+    write_demonstrations(data, CalculatorConfig(max_operand=cfg.max_operand),
+                         n=16_000, seed=cfg.seed)
     sft = SFTRunConfig(
         run_dir=str(Path(cfg.run_dir) / "sft"), steps=cfg.sft_steps, seed=cfg.seed,
         model=cfg.model_source(), tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
         data=DataConfig(paths=(str(data),), kind="chat", num_epochs=None, seed=cfg.seed),
-        packing=PackingConfig(buckets=(320,), rows_per_batch=8, max_segments_per_row=2,
+        packing=PackingConfig(buckets=(512,), rows_per_batch=8, max_segments_per_row=2,
                               overlong="truncate"),
-        optimizer=OptimizerConfig(learning_rate=cfg.sft_learning_rate, schedule="constant",
-                                  weight_decay=0.0),
+        optimizer=OptimizerConfig(learning_rate=cfg.sft_learning_rate, schedule="cosine",
+                                  warmup_steps=min(cfg.sft_warmup_steps, cfg.sft_steps),
+                                  total_steps=max(cfg.sft_steps, 1), weight_decay=0.0),
         checkpoint=CheckpointConfig(save_every=max(cfg.sft_steps, 1)),
         metrics=MetricsConfig(progress_bar=cfg.progress), export=False)
     return train(sft, tokenizer=tokenizer).state.model()
@@ -129,6 +132,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     summary = {
         "solve_rate_before_rl": rl["solve_rate_before"], "solve_rate_after_rl":
         rl["solve_rate_after"], "rl_steps": rl["steps"],
+        **({f"pass@{cfg.pass_k}_before_rl": rl["eval_before"][f"pass@{cfg.pass_k}"],
+            f"pass@{cfg.pass_k}_after_rl": rl["eval_after"][f"pass@{cfg.pass_k}"]}
+           if cfg.pass_k else {}),
         "train_reward_first": rl["train_reward_first"],
         "train_reward_last": rl["train_reward_last"],
         "engine_busy_fraction": engine_busy_during(perf_dir),
