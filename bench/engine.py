@@ -359,9 +359,10 @@ def vllm_rows(model: nnx.Module, *, python: str, quick: bool, repeats: int,
                                                                              strict=True)]
         print(f"nonstop {row['layout']:<5} {row['slots']:>3} slots: {row['tokens_per_s']:7.1f} "
               f"tokens/s = {row['over_vllm']:.2f}x vLLM (goal >= 1); greedy tokens of the first "
-              f"{compare} requests {'equal' if same else 'DIFFER from'} vLLM's (first "
-              f"difference at {row['first_difference']} of {work.outputs[:compare]}); compiled "
-              f"after warm-up: {row['compiled_after_warmup']}")
+              f"{compare} requests "
+              + ("equal vLLM's" if same else f"DIFFER from vLLM's (first difference at "
+                 f"{row['first_difference']} of {work.outputs[:compare]})")
+              + f"; compiled after warm-up: {row['compiled_after_warmup']}")
     return rows
 
 
