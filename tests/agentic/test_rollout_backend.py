@@ -8,6 +8,7 @@ attention supports.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -17,8 +18,9 @@ import pytest
 from nonstop.agentic.config import RolloutConfig
 from nonstop.engine import Engine, EngineConfig, RolloutEngine
 from nonstop.models import load_pretrained
+from nonstop.models.source import build_tokenizer
 from nonstop.models.validation import ConfigError
-from nonstop.recipes.agentic_recipe import AgenticRunConfig, run_agentic
+from nonstop.recipes.agentic_recipe import AgenticRunConfig, env_backend, run_agentic, solve_rate
 from nonstop.recipes.config_io import load_config
 from nonstop.recipes.demo import DemoConfig
 
@@ -48,8 +50,9 @@ def test_the_local_backend_builds_the_in_process_engine():
     reason="vLLM is not importable: install the `vllm` extra and run with that interpreter",
 )
 def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
-    """The shortened calculator recipe with vLLM doing the rollouts: its greedy evaluation
-    before training is the in-process engine's (26.6%), and training raises it."""
+    """The shortened calculator recipe (tests/recipes/test_agentic_learning.py) with vLLM doing
+    the rollouts and the evaluation: its greedy solve rate before training is the in-process
+    engine's on the same weights, and training raises it."""
     demo = DemoConfig(
         run_dir=str(tmp_path), rl_steps=40, rl_learning_rate=1e-4, max_staleness=0, progress=False
     )
@@ -58,8 +61,14 @@ def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
         learner="streaming",
         rollout=RolloutConfig(backend="vllm", vllm_kv_cache_gib=0.5),
     )
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    with (
+        Engine(load_pretrained(FIXTURE), cfg.engine, tokenizer=tokenizer) as local,
+        env_backend(cfg.env) as new_env,
+    ):
+        local_before = asyncio.run(solve_rate(local, cfg, tokenizer, new_env))
     summary = run_agentic(cfg, model=load_pretrained(FIXTURE), progress=False)
     print(summary)
-    assert summary["solve_rate_before"] == pytest.approx(0.265625)
+    assert summary["solve_rate_before"] == pytest.approx(local_before)
     assert summary["steps"] == 40
     assert summary["solve_rate_after"] >= summary["solve_rate_before"] + 0.05, summary
