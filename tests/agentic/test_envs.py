@@ -73,8 +73,8 @@ def test_calculator_problems_are_consistent():
     assert make_problem(random.Random(3), config) == make_problem(random.Random(3), config)
 
 
-def test_the_default_calculator_is_wide_and_needs_a_call_per_step():
-    config = CalculatorConfig()
+def test_the_wide_calculator_needs_a_call_per_step():
+    config = CalculatorConfig.wide()
     assert set(config.ops) == {"+", "-", "*", "/"} and config.max_operand >= 1000
     # every distinct problem counted (start value and operations; names and items aside)
     assert count_problems(config) > 10**9
@@ -89,12 +89,13 @@ def test_the_default_calculator_is_wide_and_needs_a_call_per_step():
         assert len(calls) == 2 and calls[-1][1] == int(task.answer)
         assert all(count_operations(expression) == 1 for expression, _ in calls)
         assert calls[1][0].startswith(f"{calls[0][1]} ")  # the second call uses the first's result
-    assert len(solution_calls(tasks[0], CalculatorConfig(ops_per_call=None))) == 1
+    assert len(solution_calls(tasks[0], CalculatorConfig.wide(ops_per_call=None))) == 1
+    assert count_problems(CalculatorConfig()) < 10**4  # the default: the demo's small task
 
 
 def test_the_calculator_takes_one_operation_per_call():
     async def main():
-        env = CalculatorEnv()
+        env = CalculatorEnv(CalculatorConfig.wide())
         task = env.sample_task(3)
         await env.reset(task)
         whole = ToolCall(name="calculator", arguments={"expression": task.info["expression"]})
@@ -314,7 +315,7 @@ def test_last_number():
          r"^CalculatorConfig\.max_factor=1 is invalid; expected an int >= 2$"),
         (lambda: CalculatorConfig(ops_per_call=0),
          r"^CalculatorConfig\.ops_per_call=0 is invalid; expected an int >= 1$"),
-        (lambda: CalculatorConfig(num_steps=3, max_turns=3),  # three calls, then the answer
+        (lambda: CalculatorConfig.wide(num_steps=3, max_turns=3),  # three calls, then the answer
          r"^CalculatorConfig\.max_turns=3 is invalid; expected an int >= 4$"),
         (lambda: CalculatorConfig(eval_fraction=0.0),
          r"^CalculatorConfig\.eval_fraction=0\.0 is invalid; expected a float in \(0, 1\)"),

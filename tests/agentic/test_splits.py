@@ -90,7 +90,9 @@ def test_seed_only_environments_keep_the_held_out_seed_convention() -> None:
 
 @pytest.mark.parametrize("env_name", ["calculator", "gridworld"])
 def test_the_agentic_recipe_evaluates_on_the_eval_split(env_name: str) -> None:
-    cfg = AgenticRunConfig(env=EnvSettings(name=env_name), num_eval=64, seed=5)
+    # Operands up to 1,000: a space large enough for 64 distinct held-out problems (the demo's
+    # max_operand=20 task has about 61 held-out problems in all, so 64 draws repeat some).
+    cfg = AgenticRunConfig(env=EnvSettings(name=env_name, max_operand=1000), num_eval=64, seed=5)
     tokenizer = char_tokenizer("qwen")
     env = CalculatorEnv() if env_name == "calculator" else GridWorldEnv()
     key = _calculator_key if env_name == "calculator" else _prompt
@@ -159,3 +161,36 @@ def test_rl_task_splits_are_disjoint_and_the_recipe_evaluates_on_eval(
     evaluated = {e.prompt for e in task.eval_examples(settings.num_eval, seed=1)}
     assert len(evaluated) == settings.num_eval and not evaluated & train
     assert all(split_of(p, 0.1) == "eval" for p in evaluated)
+
+
+def test_the_demo_never_trains_on_a_problem_it_evaluates(tmp_path: Path) -> None:
+    """`nonstop demo`'s SFT demonstrations (the warm-up that made tests/fixtures/calculator_sft)
+    and its RL training draws come from the train split; the problems it evaluates on, from the
+    eval split: no arithmetic in common."""
+    from nonstop.agentic.envs.calculator import CalculatorConfig
+    from nonstop.recipes.demo import DemoConfig, write_demonstrations
+
+    demo = DemoConfig(run_dir=str(tmp_path))
+    data = tmp_path / "sft.jsonl"
+    write_demonstrations(data, CalculatorConfig(max_operand=demo.max_operand), n=4000, seed=0)
+    demonstrated = {call["function"]["arguments"]["expression"]
+                    for line in data.read_text().splitlines()
+                    for message in json.loads(line)["messages"]
+                    for call in message.get("tool_calls") or ()}
+    cfg = demo.agentic()
+    make = {split: interaction_factory(cfg, char_tokenizer("qwen"), split)
+            for split in ("train", "eval")}
+
+    def expressions(split: str, n: int) -> set[str]:
+        out = set()
+        for group in range(n):
+            interaction = make[split](EpisodeSpec(group_id=group, index=0, episode_id=group,
+                                                  seed=0))
+            out.add(interaction.task.info["expression"])
+            interaction.close()
+        return out
+
+    held_out = expressions("eval", cfg.num_eval)
+    assert len(demonstrated) > 400 and held_out
+    assert not demonstrated & held_out
+    assert not expressions("train", 2000) & held_out

@@ -2,11 +2,13 @@
 
 Problems are generated from a seed: a start value and `num_steps` operations told as a story
 ("Tom has 312 apples, gets 845 more and then has 3 times as many. How many apples now?"). The
-default task has the four operations, start values and +, - and / operands up to 1,000 (factors
-of * up to `max_factor`), two steps, and a calculator that does one operation per call, so a
-correct episode is two tool calls, the second on the first one's result, then the answer: over
-10^9 distinct problems (`count_problems`). The train/eval split is a hash of the arithmetic, so a
-held-out sum is never trained on under other names. The calculator evaluates + - * /
+default task is the small one the demo's tiny model learns on a CPU: one + or - step on
+operands up to 50 (610 distinct problems at `max_operand=20`, `count_problems`).
+`CalculatorConfig.wide()` is a real agentic problem: the four operations, start values and +, -
+and / operands up to 1,000 (factors of * up to `max_factor`), two steps, and a calculator that
+does one operation per call, so a correct episode is two tool calls, the second on the first
+one's result, then the answer: over 10^9 distinct problems. The train/eval split is a hash of
+the arithmetic, so a held-out sum is never trained on under other names. The calculator evaluates + - * /
 expressions by walking the Python AST (never `eval`), with limits on length and magnitude.
 """
 
@@ -17,7 +19,7 @@ import collections
 import dataclasses
 import operator
 import random
-from typing import Literal
+from typing import Any, Literal
 
 from nonstop.agentic.environment import (
     Split,
@@ -123,13 +125,19 @@ def calculator_tool(*, timeout_s: float = 2.0, ops_per_call: int | None = None) 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CalculatorConfig:
-    max_operand: int = 1000  # start values and the operands of +, - and /
+    max_operand: int = 50  # start values and the operands of +, - and /
     max_factor: int = 9  # the factors of *
-    ops: tuple[Op, ...] = _OPS
-    num_steps: int = 2  # operations per problem
-    ops_per_call: int | None = 1  # operations the calculator takes in one call (None: any)
+    ops: tuple[Op, ...] = ("+", "-")
+    num_steps: int = 1  # operations per problem
+    ops_per_call: int | None = None  # operations the calculator takes in one call (None: any)
     max_turns: int = 4
     eval_fraction: float = 0.1  # problems held out for evaluation (by a hash of the arithmetic)
+
+    @classmethod
+    def wide(cls, **overrides: Any) -> CalculatorConfig:
+        """The wide task: + - * /, operands up to 1,000, two steps, one operation per call."""
+        return cls(**{"max_operand": 1000, "ops": _OPS, "num_steps": 2, "ops_per_call": 1,
+                      **overrides})
 
     def __post_init__(self) -> None:
         owner = "CalculatorConfig"
