@@ -1,8 +1,8 @@
 """A shortened `nonstop demo` runs end to end: SFT on calculator demonstrations, then agentic GRPO,
 with the greedy solve rate and pass@k on held-out problems before and after; the run directory
 holds a trace that parses back with rollout and training tracks. (That agentic GRPO raises the
-held-out solve rate is tests/recipes/test_agentic_learning.py, from an SFT model of the demo's
-full warm-up; 60 SFT steps barely start to call the tool.)"""
+solve rate is tests/recipes/test_agentic_learning.py, from an SFT model of the demo's full
+warm-up; 60 SFT steps barely start to call the tool.)"""
 
 from __future__ import annotations
 
