@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,9 +73,8 @@ from nonstop.engine.engine import StreamChunk, _prompt_list
 from nonstop.engine.requests import Detokenizer
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
+from nonstop.engine.weight_transfer import hf_weights
 from nonstop.models import Decoder
-from nonstop.models.hf_weights import weight_specs
-from nonstop.models.lora import merge_lora
 from nonstop.models.validation import check, check_choice, check_int
 
 VLLMDtype = Literal["float32", "bfloat16", "float16"]
@@ -219,19 +218,6 @@ class WorkerExtension:
             if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
                 module.quant_method.process_weights_after_loading(module)
         return len(staged)
-
-
-def hf_weights(
-    graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, dtype: np.dtype
-) -> Iterator[tuple[str, np.ndarray]]:
-    """The Hugging Face (name, host array) of every tensor of the model `graphdef` with
-    `params` (adapters and quantized weights merged into plain ones), cast to `dtype`."""
-    model = nnx.merge(graphdef, params, rest)
-    merge_lora(model)  # a no-op without adapters or quantized weights
-    flat = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    for spec in weight_specs(model.cfg):
-        value = np.asarray(jax.device_get(flat[spec.path].get_value()))
-        yield spec.hf_name, np.ascontiguousarray(spec.to_hf(value).astype(dtype, copy=False))
 
 
 @dataclasses.dataclass(eq=False)
