@@ -10,6 +10,8 @@ schema lacks follow vLLM's extensions, so clients written for vLLM work unchange
   not on the checkpoint's end-of-sequence ids), `skip_special_tokens` (for the returned text).
 - `return_token_ids`: each choice carries `token_ids` (sampled ids) and `prompt_token_ids`.
 - `return_tokens_as_token_ids`: the tokens in logprobs are spelled "token_id:{id}".
+- `session_id` (nonstop's; a string of at most 256 characters): the request is a turn of that
+  session, whose KV cache the engine keeps between turns (one sequence: `n` 1, one prompt).
 
 Each choice also carries vLLM's `stop_reason` (the stop token id or stop string that matched, else
 null), and nonstop adds `policy_versions` (the weight version that sampled each token) and
@@ -234,6 +236,19 @@ def _parse_sampling(body: Mapping[str, Any], *, default_max_tokens: int | None,
     )
 
 
+MAX_SESSION_ID = 256
+
+
+def _session_id(body: Mapping[str, Any]) -> str | None:
+    value = body.get("session_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_ID:
+        raise ProtocolError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} "
+                            f"characters, got {value!r:.80}", param="session_id")
+    return value
+
+
 def _model(body: Mapping[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -256,6 +271,7 @@ class CompletionRequest:
     echo: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    session_id: str | None = None
 
 
 def _parse_prompts(prompt: Any) -> tuple[Prompt, ...]:
@@ -307,6 +323,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         echo=echo,
         return_token_ids=_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
+        session_id=_session_id(body),
     )
 
 
@@ -326,6 +343,7 @@ class ChatCompletionRequest:
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    session_id: str | None = None
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -443,6 +461,7 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
         chat_template_kwargs=dict(kwargs),
         return_token_ids=_bool(body, "return_token_ids", False),
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
+        session_id=_session_id(body),
     )
 
 

@@ -1,6 +1,7 @@
 """nonstop's OpenAI-compatible HTTP server: the local Engine behind /v1/completions,
-/v1/chat/completions, /v1/models, /metrics, /version and /health, as a Starlette app run by
-uvicorn.
+/v1/chat/completions, /v1/models, /metrics, /version and /health, and the /nonstop routes a
+trainer in another process drives (weights, pause, state, sessions: `server_admin`), as a
+Starlette app run by uvicorn.
 
 `build_app(OpenAIServing(engine, tokenizer, ...))` makes the ASGI app; `serve(ServerConfig(...))`
 loads a Hugging Face checkpoint directory, starts an Engine on it and runs uvicorn until
@@ -13,6 +14,7 @@ limits are described in docs/serving.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -21,7 +23,7 @@ import secrets
 import string
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +43,7 @@ from nonstop.engine.openai_protocol import (
     SamplingFields,
 )
 from nonstop.engine.sampling import SamplingParams
+from nonstop.engine.server_admin import PauseGate, RolloutAdmin, SessionRegistry
 from nonstop.engine.server_metrics import Metrics
 from nonstop.engine.types import Completion, EngineError, RequestError
 from nonstop.models.chat import ChatTemplate, ToolCall
@@ -49,7 +52,9 @@ from nonstop.models.tool_parsers import TOOL_PARSERS, get_parser
 from nonstop.models.validation import check, check_choice, check_int
 
 if TYPE_CHECKING:
-    from nonstop.engine.protocol import ServingEngine
+    from flax import nnx
+
+    from nonstop.engine.protocol import RolloutSession, ServingEngine
     from nonstop.engine.scoring import Scorer, Scores
 
 log = logging.getLogger(__name__)
@@ -110,16 +115,22 @@ class OpenAIServing:
 
     `scorer` (None: refused) serves `echo` and `top_logprobs`; `tool_parser` (a name in
     `TOOL_PARSERS`; None: chat tool calls stay text and `tools` are refused) reads tool calls.
+    `model` (the engine's model; None: POST /nonstop/weights is refused) decodes posted weights;
+    sessions opened by requests' `session_id` close after `session_ttl_s` idle.
     """
 
     def __init__(self, engine: ServingEngine, tokenizer: Tokenizer, *, model_name: str, max_len: int,
                  scorer: Scorer | None = None, tool_parser: str | None = None,
-                 api_key: str | None = None):
-        self._engine = engine
+                 api_key: str | None = None, model: nnx.Module | None = None,
+                 session_ttl_s: float = 600.0):
+        self.engine = engine
         self._tokenizer = tokenizer
         self.model_name = model_name
         self._vocab_size = engine.model_config.vocab_size
-        self._max_len = max_len
+        self.max_len = max_len
+        self.model = model
+        self.sessions = SessionRegistry(engine, session_ttl_s)
+        self.gate = PauseGate()
         self._scorer = scorer
         self.tool_parser = tool_parser
         self._parser = None if tool_parser is None else get_parser(tool_parser)
@@ -129,7 +140,7 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         if self._api_key is None:
             return
         header = request.headers.get("authorization", "")
@@ -139,7 +150,7 @@ class OpenAIServing:
             raise ProtocolError("missing or invalid API key: send 'Authorization: Bearer <key>'",
                                 status=401, type="authentication_error")
 
-    async def _body(self, request: Request) -> Any:
+    async def json_body(self, request: Request) -> Any:
         try:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -176,7 +187,7 @@ class OpenAIServing:
     def _prompt_tokens(self, prompt: wire.Prompt) -> tuple[int, ...]:
         tokens = (tuple(self._tokenizer.encode(prompt, add_special_tokens=True))
                   if isinstance(prompt, str) else prompt)
-        wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self._max_len)
+        wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self.max_len)
         return tokens
 
     def _chat_prompt_tokens(self, req: ChatCompletionRequest, forced: str
@@ -190,7 +201,7 @@ class OpenAIServing:
             raise ProtocolError(f"could not render the messages with the chat template: {error}",
                                 param="messages") from error
         tokens = tuple(self._tokenizer.encode(text + forced, add_special_tokens=False))
-        wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self._max_len,
+        wire.check_prompt_tokens(tokens, vocab_size=self._vocab_size, max_len=self.max_len,
                                  param="messages")
         return tokens
 
@@ -204,11 +215,13 @@ class OpenAIServing:
                         stop=fields.stop, arrival=arrival)
                 for p, prompt in enumerate(prompts) for i in range(fields.n)]
 
-    async def _generate(self, choice: _Choice, updates: asyncio.Queue[Any]) -> None:
+    async def _generate(self, choice: _Choice, updates: asyncio.Queue[Any],
+                        session: RolloutSession | None) -> None:
         """Run one choice on the engine, recording each chunk and queueing (choice, new
         tokens) after it; an error is queued as (choice, exception)."""
         try:
-            async for chunk in self._engine.stream(list(choice.prompt_tokens), choice.params):
+            async for chunk in self.engine.stream(list(choice.prompt_tokens), choice.params,
+                                                  session):
                 now = time.perf_counter()
                 n = len(chunk.tokens)
                 if n:
@@ -235,32 +248,58 @@ class OpenAIServing:
             log.exception("generation failed")
             await updates.put((choice, error))
 
-    async def _run(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, int]]:
-        """(choice, new token count) as each engine chunk of any choice arrives, until all have
-        finished; leaving early cancels the rest (their slots are freed)."""
-        updates: asyncio.Queue[Any] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._generate(c, updates)) for c in choices]
-        self.metrics.running += 1
-        self.metrics.prompt_tokens += sum(len(c.prompt_tokens) for c in choices)
-        try:
-            pending = len(choices)
-            while pending:
-                choice, item = await updates.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if choice.completion is not None:
-                    pending -= 1
-                yield choice, item
-        finally:
-            self.metrics.running -= 1
-            for task in tasks:
-                task.cancel()
+    def _check_session(self, session_id: str | None, choices: list[_Choice]) -> None:
+        if session_id is None:
+            return
+        if len(choices) > 1:
+            raise ProtocolError(f"session_id: a session runs one sequence, but this request "
+                                f"asks for {len(choices)} (n times the prompts); send n=1 and "
+                                "one prompt", param="session_id")
+        self.sessions.check_free(session_id)
 
-    async def _finish_all(self, request: Request, choices: list[_Choice]) -> None:
+    @contextlib.contextmanager
+    def _turn(self, session_id: str | None) -> Iterator[RolloutSession | None]:
+        """The session of `session_id` (None: none) for one turn."""
+        if session_id is None:
+            yield None
+            return
+        session = self.sessions.acquire(session_id)
+        try:
+            yield session
+        finally:
+            self.sessions.release(session_id, session)
+
+    async def _run(self, choices: list[_Choice], session_id: str | None = None
+                   ) -> AsyncIterator[tuple[_Choice, int]]:
+        """(choice, new token count) as each engine chunk of any choice arrives, until all have
+        finished; leaving early cancels the rest (their slots are freed). Waits first while the
+        server is paused."""
+        with self._turn(session_id) as session:
+            await self.gate.wait()
+            updates: asyncio.Queue[Any] = asyncio.Queue()
+            tasks = [asyncio.create_task(self._generate(c, updates, session)) for c in choices]
+            self.metrics.running += 1
+            self.metrics.prompt_tokens += sum(len(c.prompt_tokens) for c in choices)
+            try:
+                pending = len(choices)
+                while pending:
+                    choice, item = await updates.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if choice.completion is not None:
+                        pending -= 1
+                    yield choice, item
+            finally:
+                self.metrics.running -= 1
+                for task in tasks:
+                    task.cancel()
+
+    async def _finish_all(self, request: Request, choices: list[_Choice],
+                          session_id: str | None) -> None:
         """Run every choice to its end; a client that disconnects first cancels them."""
 
         async def consume() -> None:
-            async for _ in self._run(choices):
+            async for _ in self._run(choices, session_id):
                 pass
 
         async def disconnected() -> None:
@@ -330,8 +369,8 @@ class OpenAIServing:
     # ---------------------------------------------------------------- /v1/completions
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
-        req: CompletionRequest = wire.parse_completion_request(await self._body(request))
+        self.authorize(request)
+        req: CompletionRequest = wire.parse_completion_request(await self.json_body(request))
         self._check_model(req.model)
         if req.logprobs and self._scorer is None:
             raise ProtocolError("logprobs > 0 needs a scorer, which this model has not",
@@ -339,6 +378,7 @@ class OpenAIServing:
         fields = req.sampling
         prompts = [self._prompt_tokens(p) for p in req.prompts]
         choices = self._choices(fields, prompts, time.perf_counter())
+        self._check_session(req.session_id, choices)
         envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                     "created": int(time.time()), "model": self.model_name}
         k = req.logprobs or 0
@@ -366,7 +406,7 @@ class OpenAIServing:
 
         if fields.stream:
             async def events() -> AsyncIterator[dict[str, Any]]:
-                async for choice, _ in self._run(choices):
+                async for choice, _ in self._run(choices, req.session_id):
                     final = choice.completion is not None
                     start, stop = choice.emitted, len(choice.tokens)
                     visible = choice.visible()
@@ -387,7 +427,7 @@ class OpenAIServing:
                 choice.completion = Completion(tokens=(), logprobs=(), finish_reason="length",
                                                policy_versions=())
         else:
-            await self._finish_all(request, choices)
+            await self._finish_all(request, choices, req.session_id)
         out = []
         for choice, prompt in zip(choices, [p for p in req.prompts for _ in range(fields.n)],
                                   strict=True):
@@ -479,8 +519,8 @@ class OpenAIServing:
                 "function": {"name": call.name, "arguments": arguments}}
 
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
-        req: ChatCompletionRequest = wire.parse_chat_request(await self._body(request))
+        self.authorize(request)
+        req: ChatCompletionRequest = wire.parse_chat_request(await self.json_body(request))
         self._check_model(req.model)
         if req.tools is not None and self._parser is None and req.tool_choice != "none":
             raise ProtocolError("tools: this server reads no tool calls (its chat template's "
@@ -493,6 +533,7 @@ class OpenAIServing:
         forced = self._forced_prefix(req)
         choices = self._choices(fields, [self._chat_prompt_tokens(req, forced)],
                                 time.perf_counter())
+        self._check_session(req.session_id, choices)
         envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                     "model": self.model_name}
         as_ids = req.return_tokens_as_token_ids
@@ -521,7 +562,7 @@ class OpenAIServing:
                         "index": choice.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]}
                 held: set[int] = set()  # choices whose text from `sent` on is a tool call
-                async for choice, _ in self._run(choices):
+                async for choice, _ in self._run(choices, req.session_id):
                     final = choice.completion is not None
                     start, stop = choice.emitted, len(choice.tokens)
                     visible = choice.visible()
@@ -559,7 +600,7 @@ class OpenAIServing:
 
             return self._sse(events())
 
-        await self._finish_all(request, choices)
+        await self._finish_all(request, choices, req.session_id)
         out = []
         for choice in choices:
             content, calls = (self._tool_calls(req, choice, forced) if tools_on
@@ -579,14 +620,14 @@ class OpenAIServing:
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self._created,
-                "owned_by": "nonstop", "max_model_len": self._max_len}
+                "owned_by": "nonstop", "max_model_len": self.max_len}
 
     async def models(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    async def model(self, request: Request) -> Response:
-        self._authorize(request)
+    async def get_model(self, request: Request) -> Response:
+        self.authorize(request)
         self._check_model(request.path_params["model"])
         return JSONResponse(self._model_card())
 
@@ -597,11 +638,12 @@ class OpenAIServing:
         return JSONResponse({"version": nonstop.__version__})
 
     async def prometheus(self, request: Request) -> Response:
-        return PlainTextResponse(self.metrics.render(self._engine),
+        return PlainTextResponse(self.metrics.render(self.engine),
                                  media_type="text/plain; version=0.0.4")
 
 
 _GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
+_ADMIN_ROUTES = {"/nonstop/state", "/nonstop/weights", "/nonstop/pause", "/nonstop/resume"}
 
 
 def _handle_errors(serving: OpenAIServing, handler: Callable[[Request], Awaitable[Response]]
@@ -620,7 +662,8 @@ def _handle_errors(serving: OpenAIServing, handler: Callable[[Request], Awaitabl
             response = JSONResponse(wire.error_body(f"internal error: {error}",
                                                     type="server_error", code=500),
                                     status_code=500)
-        serving.metrics.count_request(request.url.path if request.url.path in _GENERATION_ROUTES
+        path = request.url.path
+        serving.metrics.count_request(path if path in _GENERATION_ROUTES | _ADMIN_ROUTES
                                       else "other", response.status_code)
         return response
 
@@ -632,7 +675,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         message = f"no route {request.url.path!r}; see /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health, /metrics, /version"
+                  "/v1/chat/completions, /health, /metrics, /version, /nonstop/state"
         kind: wire.ErrorType = "not_found_error"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path!r}"
@@ -644,20 +687,36 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(serving: OpenAIServing) -> Starlette:
-    """The Starlette app routing the OpenAI endpoints to `serving`'s handlers."""
+    """The Starlette app routing the OpenAI endpoints to `serving`'s handlers and the /nonstop
+    ones to a `RolloutAdmin`; while it runs (its lifespan), idle sessions are swept."""
+    admin = RolloutAdmin(serving)
 
     def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
         return Route(path, _handle_errors(serving, handler), methods=[method])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(serving.sessions.sweep_forever())
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            serving.sessions.close_all()
 
     return Starlette(routes=[
         route("/v1/completions", serving.completions, "POST"),
         route("/v1/chat/completions", serving.chat_completions, "POST"),
         route("/v1/models", serving.models, "GET"),
-        route("/v1/models/{model:path}", serving.model, "GET"),
+        route("/v1/models/{model:path}", serving.get_model, "GET"),
         route("/health", serving.health, "GET"),
         route("/version", serving.version, "GET"),
         route("/metrics", serving.prometheus, "GET"),
-    ], exception_handlers={HTTPException: _http_error})
+        route("/nonstop/state", admin.get_state, "GET"),
+        route("/nonstop/weights", admin.weights, "POST"),
+        route("/nonstop/pause", admin.pause, "POST"),
+        route("/nonstop/resume", admin.resume, "POST"),
+        route("/nonstop/sessions/{session_id:path}", admin.close_session, "DELETE"),
+    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
 
 
 # ---------------------------------------------------------------- running a server
@@ -673,7 +732,8 @@ class ServerConfig:
     `api_key=None` serves without authentication; `model_name=None` names the model after the
     checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot;
     `tool_parser=None` picks the parser from the chat template's tool-call syntax, else from the
-    model family (none found: `tools` are refused)."""
+    model family (none found: `tools` are refused); `session_ttl_s`: sessions opened by
+    requests' `session_id` close after this many seconds idle."""
 
     model_dir: str
     host: str = "127.0.0.1"
@@ -685,6 +745,7 @@ class ServerConfig:
     dtype: Dtype = "float32"
     tool_parser: str | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    session_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
@@ -698,6 +759,9 @@ class ServerConfig:
               "None (no authentication) or a non-empty string")
         check(self.tool_parser is None or self.tool_parser in TOOL_PARSERS, owner, "tool_parser",
               self.tool_parser, f"None (from the checkpoint) or one of {TOOL_PARSERS}")
+        ttl = self.session_ttl_s
+        check(isinstance(ttl, int | float) and not isinstance(ttl, bool) and ttl > 0, owner,
+              "session_ttl_s", ttl, "seconds > 0")
 
 
 def _say(message: str) -> None:
@@ -744,7 +808,8 @@ def serve(config: ServerConfig) -> None:
     serving = OpenAIServing(engine, tokenizer,
                             model_name=config.model_name or model_dir.resolve().name,
                             max_len=max_len, api_key=config.api_key, tool_parser=tool_parser,
-                            scorer=Scorer(model, max_len) if isinstance(model, Decoder) else None)
+                            scorer=Scorer(model, max_len) if isinstance(model, Decoder) else None,
+                            model=model, session_ttl_s=config.session_ttl_s)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
