@@ -136,6 +136,14 @@ def state(client: httpx.Client) -> dict:
     return response.json()
 
 
+def cached_tokens(client: httpx.Client) -> int:
+    """KV-cache positions holding tokens (of running requests and idle sessions), from /metrics."""
+    metrics = client.get("/metrics").text
+    (ratio,) = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("nonstop_kv_cache_usage_ratio ")]
+    return round(ratio * MAX_SLOTS * MAX_LEN)
+
+
 def error_of(response: httpx.Response, status: int) -> dict:
     assert response.status_code == status, response.text
     return response.json()["error"]
@@ -286,6 +294,8 @@ def test_session_turns_match_the_full_prompt(server: str, client: httpx.Client):
     prompt = PROMPTS[1]
     first = greedy(client, prompt, session_id="episode-1")
     assert state(client)["sessions"] == 1
+    # The engine keeps the session's cache (the last token is not in it yet): it is a session.
+    assert cached_tokens(client) == len(prompt) + MAX_TOKENS - 1
     context = [*prompt, *first["token_ids"], 9, 10, 11]
     second = greedy(client, context, session_id="episode-1")
     alone = greedy(client, context)
@@ -306,8 +316,37 @@ def test_session_turns_match_the_full_prompt(server: str, client: httpx.Client):
     assert reply.status_code == 200 and reply.json() == {"session_id": "episode-1",
                                                          "closed": True}
     assert state(client)["sessions"] == 0
+    deadline = time.monotonic() + 30.0
+    while cached_tokens(client) and time.monotonic() < deadline:  # the engine drops it next
+        time.sleep(0.02)
+    assert cached_tokens(client) == 0
     error = error_of(client.delete("/nonstop/sessions/episode-1"), 404)
     assert error["type"] == "not_found_error" and "episode-1" in error["message"]
+
+
+def test_chat_session_turns_and_streams(client: httpx.Client):
+    def chat(messages: list[dict], **extra) -> dict:
+        reply = client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    messages = [{"role": "user", "content": "What is 7 * 6?"}]
+    first = chat(messages, session_id="chat-1")
+    messages += [{"role": "assistant", "content": first["message"]["content"]},
+                 {"role": "user", "content": "And 7 * 7?"}]
+    second = chat(messages, session_id="chat-1")
+    assert second["token_ids"] == chat(messages)["token_ids"]
+    events = client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "stream": True, "session_id": "chat-1"}).text
+    streamed = [t for block in events.split("\n\n") if block.startswith("data: {")
+                for t in json.loads(block.removeprefix("data: "))["choices"][0].get("token_ids",
+                                                                                    [])]
+    assert streamed == second["token_ids"]
+    assert state(client)["sessions"] == 1
+    assert client.delete("/nonstop/sessions/chat-1").status_code == 200
 
 
 def test_one_turn_at_a_time_per_session(server: str, client: httpx.Client):
