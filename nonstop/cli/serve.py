@@ -55,6 +55,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-ttl-s", type=float, default=600.0,
                         help="close a session (requests' session_id) idle this many seconds "
                              "(default 600)")
+    parser.add_argument("--on-weight-update", choices=("continue", "abort"), default="continue",
+                        help="requests running when a trainer posts new weights: continue on "
+                             "them, or restart on them with their prefix (default continue)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -65,7 +68,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_dir=args.model_dir, host=args.host, port=args.port, api_key=api_key,
                         model_name=args.model_name, max_slots=args.max_slots,
                         max_len=args.max_len, dtype=args.dtype, tool_parser=args.tool_parser,
-                        log_level=args.log_level, session_ttl_s=args.session_ttl_s)
+                        log_level=args.log_level, session_ttl_s=args.session_ttl_s,
+                        on_weight_update=args.on_weight_update)
 
 
 def check_checkpoint_dir(model_dir: str) -> None:

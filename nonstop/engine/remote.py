@@ -1,44 +1,68 @@
-"""RemoteEngine: the local Engine's `generate` interface over an OpenAI-compatible HTTP server, so
-that `nonstop serve`, vLLM or SGLang servers can do the rollouts.
+"""RemoteEngine: the rollout protocol over HTTP, so that `nonstop serve` processes (on this host or
+others) do a trainer's rollouts, or vLLM and SGLang servers do its generation.
 
-Each `generate(token_ids, params)` is one POST to `{base_url}/v1/completions` with a token-id
+    with RemoteEngine(["http://10.0.0.5:8000", "http://10.0.0.6:8000"], policy=model,
+                      max_len=512) as engine:
+        completion = await engine.generate(token_ids, params, session=session)
+        engine.update_weights(nnx.state(model, nnx.Param), version)   # every server, no files
+
+Each `generate(token_ids, params)` is one POST to a server's `/v1/completions` with a token-id
 prompt (never re-tokenized) and vLLM's extensions: `ignore_eos: true` with `stop_token_ids`, so
 the server stops exactly where the local engine would (put the checkpoint's end-of-sequence ids
 in `params.stop_token_ids`); `logprobs: 0`; `return_token_ids` and `return_tokens_as_token_ids`,
 so the sampled ids are read from whichever the server returns (neither is an error, never a
 guess from text); `skip_special_tokens: false`, so stop strings see the same text as locally.
-
 The completion's `policy_versions` come from the server when it reports them (`nonstop serve`
-does), else from the constant `policy_version`; its finish reason from `engine_finish_reason`
-when present, else from the OpenAI one ("length" cannot tell `max_tokens` from a full context).
-Sessions are handles only (vLLM's and SGLang's prefix caches give the same saving; a closed
-one is refused, as locally). It is a `protocol.RolloutClient` (what the agent, the orchestrator
-and the evaluator need): `config.max_len` is the `max_len=` given (the server's context),
-`stats()` counts what this client sent and received, and the intervals with requests in flight
-are recorded as `perf.ENGINE` busy time. It is not yet a `RolloutEngine`: nonstop serve has no
-weight-update endpoint, so the learners cannot publish weights to it.
+does), else from this client's `policy_version`.
 
-Connection failures and 502/503/504 are retried with exponential backoff; a 4xx raises
-`RemoteRequestError` (also an engine `RequestError`) with the server's message, a 5xx or a
-malformed response `RemoteEngineError`. docs/engine.md has an example.
+Several servers: a request goes to the live server with the fewest requests in flight per slot
+(ties: the one sent the fewest so far);
+every turn of a session goes to the server its first turn went to (session affinity: `nonstop
+serve` keeps the session's KV cache between turns; other servers' prefix caches do the same).
+A server that cannot be reached (or answers 502/503/504) is marked down and the request is sent
+to another one with the same seed, so the episode goes on (`stats().rerouted` counts them); a
+down server is probed again after `revive_after_s`; with no server left the client waits
+`retry_backoff_s * 2**k` and tries the down ones again, up to `max_retries` further attempts.
+
+Weights (`nonstop serve` only): `update_weights(params, version)` encodes the policy's
+parameters once (`weight_transfer.encode_weights`: Hugging Face names and layouts, LoRA merged,
+cast to `weight_dtype`) and posts the blob to every live server, through POSIX shared memory
+when every server is on this host (`weight_transfer="auto"`), else as the request body; it
+returns once every live server has taken them (requests submitted afterwards sample from them).
+The last blob is kept: a server seen for the first time, or back after being down, gets it
+before its first request whenever its version differs (a server that joins late, or restarts,
+never samples with stale weights). `policy=` (the trainer's model, for its architecture) is
+needed for this; without it the engine is generation-only.
+
+Connection failures and 502/503/504 are retried as above; a 4xx raises `RemoteRequestError`
+(also an engine `RequestError`) with the server's message, a 5xx or a malformed response
+`RemoteEngineError`. Busy time is the union of the intervals with requests in flight, recorded
+as `perf.ENGINE`. docs/engine.md has an example.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Sequence
-from typing import Any
+from multiprocessing import shared_memory
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
+from flax import nnx
 
 from nonstop import perf
 from nonstop.engine.sampling import SamplingParams
 from nonstop.engine.types import FINISH_REASONS, Completion, EngineError, RequestError
+from nonstop.engine.weight_transfer import encode_weights
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +70,8 @@ _RETRYABLE_STATUS = (502, 503, 504)
 _RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                      httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted"}
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+WeightTransfer = Literal["auto", "http", "shm"]
 
 
 class RemoteEngineError(RuntimeError):
@@ -59,6 +85,10 @@ class RemoteEngineError(RuntimeError):
 
 class RemoteRequestError(RemoteEngineError, RequestError):
     """The server refused the request (HTTP 4xx): the request is at fault, retrying won't help."""
+
+
+class _Unreachable(Exception):
+    """One attempt on one server failed in a way another attempt (or server) may not."""
 
 
 def _api_root(base_url: str) -> str:
@@ -96,8 +126,8 @@ def _sampled_ids(choice: dict[str, Any], logprobs: dict[str, Any]) -> list[int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RemoteLimits:
-    """`RemoteEngine.config`: the server's context per request and its concurrency (as given
-    to the client; None where not given)."""
+    """`RemoteEngine.config`: the context per request and the concurrency of all servers (as
+    given, else as the servers report once reached)."""
 
     max_len_given: int | None
     max_slots: int = 1
@@ -112,26 +142,57 @@ class RemoteLimits:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RemoteStats:
-    """What this client sent and received since it was made (not the server's counters)."""
+    """What this client sent and received since it was made (not the servers' counters)."""
 
     generated_tokens: int
     completed: int
     failed: int
-    waiting: int  # always 0: requests queue on the server
+    waiting: int  # always 0: requests queue on the servers
     active_slots: int  # requests in flight from this client
-    cached_tokens: int  # not reported by the server: 0
-    prefix_hit_tokens: int  # not reported by the server: 0
+    cached_tokens: int  # not reported by the servers: 0
+    prefix_hit_tokens: int  # not reported by the servers: 0
     policy_version: int
+    rerouted: int  # requests sent again to another server after theirs failed
+    server_failures: int  # times a server was marked down
+    servers_up: int
+    weight_updates: int
+    weight_sync_s: float  # seconds spent in update_weights and late-join pushes
+
+
+@dataclasses.dataclass(eq=False)
+class _Server:
+    """One server as this client knows it."""
+
+    api: str  # ".../v1"
+    root: str  # the server's root, where nonstop serve's /nonstop routes live
+    up: bool = True
+    down_since: float = 0.0  # time.monotonic() when last marked down
+    probed: bool = False  # its kind, limits and version are known (reset when it goes down)
+    nonstop: bool = False  # a nonstop serve (sessions, weights, versions)
+    model: str | None = None
+    max_slots: int = 1
+    max_len: int | None = None
+    version: int | None = None  # the weights' version it runs, as last known
+    in_flight: int = 0
+    picks: int = 0  # requests sent to it (ties go to the least used)
+    lock: asyncio.Lock | None = None
+
+    @property
+    def loopback(self) -> bool:
+        return urlsplit(self.root).hostname in _LOOPBACK
 
 
 class RemoteSession:
-    """A multi-turn episode's handle; the server's prefix cache makes later turns cheap."""
+    """A multi-turn episode's handle: its turns go to one server, which keeps its KV cache."""
 
-    def __init__(self, session_id: int) -> None:
+    def __init__(self, engine: RemoteEngine | None, session_id: int) -> None:
         self.id = session_id
         self.closed = False
+        self._engine = engine
 
     def close(self) -> None:
+        if not self.closed and self._engine is not None:
+            self._engine._forget(self)
         self.closed = True
 
     def __enter__(self) -> RemoteSession:
@@ -142,11 +203,11 @@ class RemoteSession:
 
 
 class RemoteEngine:
-    """`await generate(token_ids, params)` against an OpenAI-compatible completions server."""
+    """The rollout protocol against one or several OpenAI-compatible completions servers."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         api_key: str | None = None,
         model: str | None = None,
@@ -156,36 +217,67 @@ class RemoteEngine:
         policy_version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_len: int | None = None,
-        max_slots: int = 1,
+        max_slots: int | None = None,
+        policy: nnx.Module | None = None,
+        weight_dtype: str = "float32",
+        weight_transfer: WeightTransfer = "auto",
+        revive_after_s: float = 5.0,
     ):
-        """`model`: the served model's name, or None to ask the server's /v1/models once.
-        `timeout`: seconds for one HTTP request (a whole generation). `max_retries`: further
-        attempts after a connection error or a 502/503/504. `policy_version`: reported for every
-        token when the server does not report versions itself. `max_len`, `max_slots`: the
-        server's context per request and concurrency, reported as `config` (the agent reads
-        `config.max_len`)."""
+        """`base_url`: one server's URL or a list of them. `model`: the served model's name, or
+        None to ask each server. `timeout`: seconds for one HTTP request (a whole generation).
+        `max_retries`: further attempts after a connection error or a 502/503/504 (beyond one
+        try on each other server). `policy_version`: reported for every token when a server
+        does not report versions. `max_len`, `max_slots`: the context per request and the
+        concurrency, reported as `config` (None: from the servers, once reached). `policy`:
+        the trainer's model, whose architecture `update_weights` encodes for; `weight_dtype`:
+        the dtype weights travel in; `weight_transfer`: "auto" (shared memory when every
+        server is on this host), "http" or "shm". `revive_after_s`: how long a server that
+        failed is left alone before it is probed again (and brought up to date)."""
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("RemoteEngine needs at least one server URL")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s must be >= 0, got {retry_backoff_s}")
-        self.base_url = _api_root(base_url)
+        if weight_transfer not in ("auto", "http", "shm"):
+            raise ValueError(f"weight_transfer must be 'auto', 'http' or 'shm', got "
+                             f"{weight_transfer!r}")
+        self._servers = [_Server(api=_api_root(u), root=_api_root(u).removesuffix("/v1"))
+                         for u in urls]
+        self.base_url = self._servers[0].api
         self.model = model
         self.policy_version = policy_version
         self._max_retries = max_retries
         self._backoff = retry_backoff_s
-        self.config = RemoteLimits(max_len_given=max_len, max_slots=max_slots)
+        self._revive_after = revive_after_s
+        self._max_slots_given = max_slots
+        self.config = RemoteLimits(max_len_given=max_len, max_slots=max_slots or len(urls))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = httpx.Timeout(timeout)
         self._transport = transport
         # One HTTP client per event loop: callers may run several `asyncio.run`s in turn.
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
-        self._model_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self._client_id = uuid.uuid4().hex[:12]
         self._session_ids = itertools.count()
-        self._counts = dict(generated_tokens=0, completed=0, failed=0)
+        self._pinned: dict[int, _Server] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._counts = dict(generated_tokens=0, completed=0, failed=0, rerouted=0,
+                            server_failures=0, weight_updates=0)
+        self._sync_s = 0.0
         self._in_flight = 0
         self._busy_since = 0
+        self._weight_dtype = np.dtype(weight_dtype)
+        self._transfer = weight_transfer
+        self._graphdef = self._rest = None
+        if policy is not None:
+            self._graphdef, _, self._rest = nnx.split(policy, nnx.Param, ...)
+        self._blob: bytes | None = None  # the last weights published, for late joiners
+        self._blob_version = policy_version
+
+    # ---------------------------------------------------------------- lifecycle
 
     @property
     def _client(self) -> httpx.AsyncClient:
@@ -194,10 +286,11 @@ class RemoteEngine:
         if client is None:
             for old in [lp for lp in self._clients if lp.is_closed()]:
                 self._clients.pop(old)
-                self._model_locks.pop(old, None)
-            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
-                                       timeout=self._timeout, transport=self._transport)
+            client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
+                                       transport=self._transport)
             self._clients[loop] = client
+            for server in self._servers:  # asyncio locks belong to one loop
+                server.lock = None
         return client
 
     async def __aenter__(self) -> RemoteEngine:
@@ -213,6 +306,8 @@ class RemoteEngine:
         self.close()
 
     async def aclose(self) -> None:
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         loop = asyncio.get_running_loop()
         client = self._clients.pop(loop, None)
         if client is not None:
@@ -229,59 +324,153 @@ class RemoteEngine:
                     asyncio.run(client.aclose())
 
     def session(self) -> RemoteSession:
-        """A session handle (see the module docstring)."""
-        return RemoteSession(next(self._session_ids))
+        """A session handle: its turns go to one server (see the module docstring)."""
+        return RemoteSession(self, next(self._session_ids))
+
+    def _forget(self, session: RemoteSession) -> None:
+        """Unpin a closing session and, from inside an event loop, close it on its server (a
+        server also closes idle sessions by itself)."""
+        server = self._pinned.pop(session.id, None)
+        if server is None or not server.nonstop or not server.up:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if loop in self._clients:
+            task = loop.create_task(self._close_session(server, self._session_key(session)))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _close_session(self, server: _Server, key: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.delete(f"{server.root}/nonstop/sessions/{key}")
+
+    def _session_key(self, session: RemoteSession) -> str:
+        return f"{self._client_id}-{session.id}"
 
     def stats(self) -> RemoteStats:
-        return RemoteStats(generated_tokens=self._counts["generated_tokens"],
-                           completed=self._counts["completed"], failed=self._counts["failed"],
-                           waiting=0, active_slots=self._in_flight, cached_tokens=0,
-                           prefix_hit_tokens=0, policy_version=self.policy_version)
+        c = self._counts
+        return RemoteStats(generated_tokens=c["generated_tokens"], completed=c["completed"],
+                           failed=c["failed"], waiting=0, active_slots=self._in_flight,
+                           cached_tokens=0, prefix_hit_tokens=0,
+                           policy_version=self.policy_version, rerouted=c["rerouted"],
+                           server_failures=c["server_failures"],
+                           servers_up=sum(s.up for s in self._servers),
+                           weight_updates=c["weight_updates"], weight_sync_s=self._sync_s)
 
     # ---------------------------------------------------------------- HTTP
 
-    async def _request(self, method: str, path: str, json: dict[str, Any] | None = None) -> Any:
-        for attempt in range(self._max_retries + 1):
-            last = attempt == self._max_retries
+    async def _once(self, server: _Server, method: str, path: str,
+                    json: dict[str, Any] | None = None) -> Any:
+        """One attempt; `_Unreachable` where another attempt may succeed."""
+        url = f"{server.api}{path}"
+        try:
+            response = await self._client.request(method, url, json=json)
+        except _RETRYABLE_ERRORS as error:
+            raise _Unreachable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        if response.status_code < 400:
             try:
-                response = await self._client.request(method, path, json=json)
-            except _RETRYABLE_ERRORS as error:
-                if last:
-                    raise RemoteEngineError(
-                        f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: "
-                        f"{type(error).__name__}: {error}") from error
-                log.warning("%s %s: %s; retrying", method, path, error)
-            else:
-                if response.status_code < 400:
-                    try:
-                        return response.json()
-                    except ValueError as error:
-                        raise RemoteEngineError(f"{method} {path}: the response is not JSON: "
-                                                f"{response.text[:200]!r}") from error
-                message, body = _error_message(response)
-                text = f"{method} {self.base_url}{path} -> HTTP {response.status_code}: {message}"
-                if 400 <= response.status_code < 500:
-                    raise RemoteRequestError(text, status=response.status_code, body=body)
-                if response.status_code not in _RETRYABLE_STATUS or last:
-                    raise RemoteEngineError(text, status=response.status_code, body=body)
-                log.warning("%s; retrying", text)
-            await asyncio.sleep(self._backoff * 2**attempt)
-        raise AssertionError("unreachable")
+                return response.json()
+            except ValueError as error:
+                raise RemoteEngineError(f"{method} {url}: the response is not JSON: "
+                                        f"{response.text[:200]!r}") from error
+        message, body = _error_message(response)
+        text = f"{method} {url} -> HTTP {response.status_code}: {message}"
+        if response.status_code in _RETRYABLE_STATUS:
+            raise _Unreachable(text)
+        if 400 <= response.status_code < 500:
+            raise RemoteRequestError(text, status=response.status_code, body=body)
+        raise RemoteEngineError(text, status=response.status_code, body=body)
 
     async def models(self) -> list[str]:
-        """Ids of the models the server serves."""
-        body = await self._request("GET", "/models")
+        """Ids of the models the first server serves."""
+        body = await self._once(self._servers[0], "GET", "/models")
         return [entry["id"] for entry in body.get("data", [])]
 
-    async def _model_name(self) -> str:
-        lock = self._model_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
-        async with lock:
-            if self.model is None:
-                names = await self.models()
-                if not names:
-                    raise RemoteEngineError(f"{self.base_url}/models lists no model")
-                self.model = names[0]
-        return self.model
+    def _mark_down(self, server: _Server, why: str) -> None:
+        if server.up:
+            log.warning("rollout server %s is down (%s); using the others", server.root, why)
+            self._counts["server_failures"] += 1
+        server.up = False
+        server.down_since = time.monotonic()
+        server.probed = False
+        for sid in [sid for sid, s in list(self._pinned.items()) if s is server]:
+            self._pinned.pop(sid)  # its sessions move with their next turn
+
+    async def _probe(self, server: _Server) -> None:
+        """Learn the server's kind, limits and version; bring a nonstop server's weights up to
+        date (a late joiner, or one back after a restart). `_Unreachable` if it does not
+        answer."""
+        if server.lock is None:
+            server.lock = asyncio.Lock()
+        async with server.lock:
+            if server.probed:
+                return
+            try:
+                response = await self._client.get(f"{server.root}/nonstop/state")
+            except _RETRYABLE_ERRORS as error:
+                raise _Unreachable(f"GET {server.root}/nonstop/state: {error}") from error
+            if response.status_code in _RETRYABLE_STATUS:
+                raise _Unreachable(f"GET {server.root}/nonstop/state -> {response.status_code}")
+            if response.status_code == 200:
+                state = response.json()
+                server.nonstop = True
+                server.model = state.get("model")
+                server.max_slots = int(state.get("max_slots", 1))
+                server.max_len = state.get("max_len")
+                server.version = int(state.get("policy_version", 0))
+            elif response.status_code in (401, 403):
+                message, body = _error_message(response)
+                raise RemoteRequestError(f"{server.root}: {message}", status=response.status_code,
+                                         body=body)
+            else:  # not nonstop serve (vLLM, SGLang): generation only
+                server.nonstop = False
+            given = self.config.max_len_given
+            if server.max_len is not None and given is not None and server.max_len < given:
+                raise EngineError(
+                    f"rollout server {server.root} serves a context of {server.max_len} tokens, "
+                    f"less than the {given} this run needs (engine.max_len): start it with "
+                    f"--max-len {given} or lower engine.max_len")
+            if server.nonstop and self._blob is not None and server.version != self._blob_version:
+                started = time.perf_counter()
+                await asyncio.to_thread(self._push_one, server, self._blob, self._blob_version)
+                self._sync_s += time.perf_counter() - started
+            server.probed = True
+            if self._max_slots_given is None:
+                slots = sum(s.max_slots for s in self._servers)
+                self.config = dataclasses.replace(self.config, max_slots=slots)
+
+    async def _pick(self, session: RemoteSession | None) -> _Server:
+        """The server for the next attempt, probed and with this request counted in its
+        `in_flight` (the caller releases it), or `_Unreachable` when none is up."""
+        if session is not None:
+            pinned = self._pinned.get(session.id)
+            if pinned is not None and pinned.up:
+                pinned.in_flight += 1
+                return pinned
+        now = time.monotonic()
+        for s in self._servers:  # a server down a while gets another chance (re-probed)
+            if not s.up and now - s.down_since >= self._revive_after:
+                s.up = True
+        live = [s for s in self._servers if s.up]
+        if not live:
+            raise _Unreachable("no rollout server is up")
+        server = min(live, key=lambda s: (s.in_flight / max(s.max_slots, 1), s.in_flight,
+                                          s.picks))
+        server.in_flight += 1
+        server.picks += 1  # counted while it is probed, so others spread meanwhile
+        if not server.probed:
+            try:
+                await self._probe(server)
+            except BaseException as error:
+                server.in_flight -= 1
+                if isinstance(error, _Unreachable):
+                    self._mark_down(server, str(error))
+                raise
+        if session is not None:
+            self._pinned[session.id] = server
+        return server
 
     # ---------------------------------------------------------------- generate
 
@@ -310,6 +499,17 @@ class RemoteEngine:
             body["seed"] = params.seed
         return body
 
+    async def _model_name(self, server: _Server) -> str:
+        if self.model is not None:
+            return self.model
+        if server.model is None:
+            body = await self._once(server, "GET", "/models")
+            names = [entry["id"] for entry in body.get("data", [])]
+            if not names:
+                raise RemoteEngineError(f"{server.api}/models lists no model")
+            server.model = names[0]
+        return server.model
+
     async def generate(self, token_ids: Sequence[int], params: SamplingParams | None = None,
                        session: RemoteSession | None = None) -> Completion:
         """Sample a continuation of `token_ids` (`session`: see the module docstring).
@@ -317,12 +517,11 @@ class RemoteEngine:
         if session is not None and session.closed:
             raise RequestError(f"session: session {session.id} is closed")
         params = params or SamplingParams()
-        body = self.request_body(await self._model_name(), token_ids, params)
         if self._in_flight == 0:
             self._busy_since = time.perf_counter_ns()
         self._in_flight += 1
         try:
-            completion = await self._completion(body)
+            completion = await self._with_failover(token_ids, params, session)
         except BaseException:
             self._counts["failed"] += 1
             raise
@@ -334,8 +533,38 @@ class RemoteEngine:
         self._counts["generated_tokens"] += len(completion.tokens)
         return completion
 
-    async def _completion(self, body: dict[str, Any]) -> Completion:
-        response = await self._request("POST", "/completions", json=body)
+    async def _with_failover(self, token_ids: Sequence[int], params: SamplingParams,
+                             session: RemoteSession | None) -> Completion:
+        budget = self._max_retries + len(self._servers) - 1
+        failures, waits = 0, 0
+        while True:
+            server = None
+            try:
+                server = await self._pick(session)
+                try:
+                    body = self.request_body(await self._model_name(server), token_ids, params)
+                    if session is not None and server.nonstop:
+                        body["session_id"] = self._session_key(session)
+                    response = await self._once(server, "POST", "/completions", json=body)
+                finally:
+                    server.in_flight -= 1
+                return self._completion(response, server)
+            except _Unreachable as error:
+                if server is not None and server.up:
+                    self._mark_down(server, str(error))
+                failures += 1
+                if failures > budget:
+                    raise RemoteEngineError(
+                        f"POST /completions failed after {failures} attempts: {error}") from error
+                if server is not None:
+                    self._counts["rerouted"] += 1
+                if not any(s.up for s in self._servers):
+                    await asyncio.sleep(self._backoff * 2**waits)
+                    waits += 1
+                    for s in self._servers:  # try the down ones again
+                        s.up = True
+
+    def _completion(self, response: Any, server: _Server) -> Completion:
         try:
             choice = response["choices"][0]
             logprobs = choice.get("logprobs") or {}
@@ -357,8 +586,81 @@ class RemoteEngine:
         elif len(versions) != len(tokens):
             raise RemoteEngineError(f"policy_versions has {len(versions)} entries for "
                                     f"{len(tokens)} tokens", body=response)
+        elif versions:
+            server.version = max(server.version or 0, max(int(v) for v in versions))
         if finish not in FINISH_REASONS:
             raise RemoteEngineError(f"unknown finish reason {finish!r}", body=response)
         return Completion(tokens=tokens, logprobs=token_logprobs, finish_reason=finish,
                           policy_versions=versions,
                           stop_reason=stop_reason if isinstance(stop_reason, int | str) else None)
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(self, params: nnx.State, version: int) -> None:
+        """Publish `params` (the policy's `nnx.Param` state) as `version` to every live
+        server; returns once each has taken them (see the module docstring)."""
+        if self._graphdef is None:
+            raise EngineError("RemoteEngine.update_weights needs the policy's architecture: "
+                              "pass policy=<the trainer's model> to RemoteEngine")
+        started = time.perf_counter()
+        with perf.span("engine/weight_update", policy_version=int(version)):
+            blob = encode_weights(self._graphdef, params, self._rest, self._weight_dtype)
+            self._blob, self._blob_version = blob, int(version)
+            targets = [s for s in self._servers if s.up and (s.nonstop or not s.probed)]
+            with concurrent.futures.ThreadPoolExecutor(max(len(targets), 1)) as pool:
+                results = list(pool.map(lambda s: self._try_push(s, blob, int(version)),
+                                        targets))
+        if targets and not any(results):
+            raise RemoteEngineError(f"update_weights: no rollout server took version {version}"
+                                    " (all are down; see the warnings above)")
+        self.policy_version = int(version)
+        self._counts["weight_updates"] += 1
+        self._sync_s += time.perf_counter() - started
+
+    def _try_push(self, server: _Server, blob: bytes, version: int) -> bool:
+        try:
+            self._push_one(server, blob, version)
+            return True
+        except _Unreachable as error:
+            self._mark_down(server, str(error))
+            return False
+
+    def _push_one(self, server: _Server, blob: bytes, version: int) -> None:
+        """Post `blob` to one server (blocking; shared memory for a server on this host when
+        `weight_transfer` allows). A version the server has passed already is not an error."""
+        shm = self._transfer == "shm" or (self._transfer == "auto" and server.loopback)
+        url = f"{server.root}/nonstop/weights"
+        segment = None
+        try:
+            with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
+                if shm:
+                    segment = shared_memory.SharedMemory(create=True, size=max(len(blob), 1))
+                    segment.buf[:len(blob)] = blob
+                    response = client.post(url, json={"version": version, "shm": segment.name,
+                                                      "nbytes": len(blob)})
+                else:
+                    response = client.post(url, params={"version": version}, content=blob,
+                                           headers={"Content-Type": "application/octet-stream"})
+        except _RETRYABLE_ERRORS as error:
+            raise _Unreachable(f"POST {url}: {type(error).__name__}: {error}") from error
+        finally:
+            if segment is not None:
+                segment.close()
+                segment.unlink()
+        if response.status_code in _RETRYABLE_STATUS:
+            raise _Unreachable(f"POST {url} -> HTTP {response.status_code}")
+        if response.status_code == 404:
+            raise RemoteEngineError(f"{server.root} takes no weights (POST /nonstop/weights -> "
+                                    "404): only nonstop serve does; use it for RL rollouts")
+        if response.status_code == 409:  # it runs a newer version already
+            return
+        if response.status_code >= 400:
+            message, body = _error_message(response)
+            raise RemoteEngineError(f"POST {url} -> HTTP {response.status_code}: {message}",
+                                    status=response.status_code, body=body)
+        server.version = version
+        server.nonstop = True
+
+
+__all__ = ["RemoteEngine", "RemoteEngineError", "RemoteLimits", "RemoteRequestError",
+           "RemoteSession", "RemoteStats", "WeightTransfer"]

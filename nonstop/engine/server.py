@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 import nonstop
 from nonstop.engine import openai_protocol as wire
+from nonstop.engine.config import WeightUpdateMode
 from nonstop.engine.detokenize import IncrementalText, text_deltas
 from nonstop.engine.openai_protocol import (
     ChatCompletionRequest,
@@ -733,7 +734,9 @@ class ServerConfig:
     checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot;
     `tool_parser=None` picks the parser from the chat template's tool-call syntax, else from the
     model family (none found: `tools` are refused); `session_ttl_s`: sessions opened by
-    requests' `session_id` close after this many seconds idle."""
+    requests' `session_id` close after this many seconds idle; `on_weight_update`: what
+    requests running when new weights arrive do (the engine's setting: "continue" on the new
+    weights, or "abort" and restart on them with their prefix)."""
 
     model_dir: str
     host: str = "127.0.0.1"
@@ -746,9 +749,11 @@ class ServerConfig:
     tool_parser: str | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     session_ttl_s: float = 600.0
+    on_weight_update: WeightUpdateMode = "continue"
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
+        check_choice(owner, "on_weight_update", self.on_weight_update, WeightUpdateMode)
         check(isinstance(self.port, int) and 0 <= self.port <= 65535, owner, "port", self.port,
               "an int in [0, 65535]")
         check_int(owner, "max_slots", self.max_slots)
@@ -797,7 +802,8 @@ def serve(config: ServerConfig) -> None:
     _say(f"loaded {model_dir} ({model.cfg.family}, {config.dtype}) in "
          f"{time.perf_counter() - started:.1f} s; compiling the engine "
          f"(max_slots={config.max_slots}, max_len={max_len}) ...")
-    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len),
+    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len,
+                                        on_weight_update=config.on_weight_update),
                     tokenizer=tokenizer)
     compile_start = time.perf_counter()
     engine.start()  # compiles before the port opens, so /health answering means ready
