@@ -168,7 +168,8 @@ class StreamingLearnerConfig:
             algorithm, group_size=self.orchestrator.group_size, capacity=capacity)
 
 
-RolloutBackend = Literal["local", "vllm"]
+RolloutBackend = Literal["local", "vllm", "remote"]
+WeightTransfer = Literal["auto", "http", "shm"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,13 +181,21 @@ class RolloutConfig:
     `max_slots`, `max_len` and `seed`, and `vllm_kv_cache_gib` (KV-cache memory),
     `vllm_block_size` (its prefix-cache granularity; vLLM's CPU attention needs a multiple
     of 32) and `vllm_enforce_eager` (no torch.compile: a faster start, slower steps).
-    Weights reach vLLM's workers without files; see docs/engine.md, Rollout backends.
+    "remote": `RemoteEngine` over the `nonstop serve` processes at `servers` (URLs; requests
+    go to the least loaded, a session's turns to one server, a server that fails is skipped);
+    the trainer's weights reach them at start and after each step (`weight_transfer`: "auto"
+    uses shared memory for servers on this host, else the HTTP body); `api_key_env` names the
+    environment variable holding their API key; `engine.max_len` must fit their `--max-len`.
+    Weights reach vLLM's workers and the servers without files; see docs/engine.md.
     """
 
     backend: RolloutBackend = "local"
     vllm_kv_cache_gib: float = 1.0
     vllm_block_size: int = 32
     vllm_enforce_eager: bool = True
+    servers: tuple[str, ...] = ()
+    api_key_env: str | None = None
+    weight_transfer: WeightTransfer = "auto"
 
     def __post_init__(self) -> None:
         owner = "RolloutConfig"
@@ -199,14 +208,38 @@ class RolloutConfig:
                "a number > 0")
         _check(isinstance(self.vllm_block_size, int) and self.vllm_block_size > 0, owner,
                "vllm_block_size", self.vllm_block_size, "an int > 0")
+        object.__setattr__(self, "servers", tuple(self.servers))
+        _check(all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                   for u in self.servers), owner, "servers", list(self.servers),
+               "a list of server URLs such as http://127.0.0.1:8000")
+        _check(self.backend != "remote" or bool(self.servers), owner, "servers",
+               list(self.servers), "at least one URL with backend=remote (start each with "
+               "`nonstop serve MODEL_DIR --port N`)")
+        _check(self.weight_transfer in get_args(WeightTransfer), owner, "weight_transfer",
+               self.weight_transfer, "one of 'auto', 'http', 'shm'")
 
     def build(self, model: Any, engine: EngineConfig, *, tokenizer: Any = None,
-              policy_version: int = 0) -> RolloutEngine:
-        """The engine for `model` (not started: use it as a context manager)."""
+              policy_version: int = 0, mesh: Any = None) -> RolloutEngine:
+        """The engine for `model` (not started: use it as a context manager). A remote backend
+        gets `model`'s weights as `policy_version` at once."""
         if self.backend == "local":
             from nonstop.engine.engine import Engine
 
-            return Engine(model, engine, tokenizer=tokenizer, policy_version=policy_version)
+            return Engine(model, engine, tokenizer=tokenizer, policy_version=policy_version,
+                          mesh=mesh)
+        if self.backend == "remote":
+            import os
+
+            from flax import nnx
+
+            from nonstop.engine.remote import RemoteEngine
+
+            key = os.environ.get(self.api_key_env) if self.api_key_env else None
+            remote = RemoteEngine(self.servers, api_key=key, max_len=engine.max_len,
+                                  policy=model, policy_version=policy_version,
+                                  weight_transfer=self.weight_transfer)
+            remote.update_weights(nnx.state(model, nnx.Param), policy_version)
+            return remote
         from nonstop.engine.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         config = VLLMEngineConfig(max_slots=engine.max_slots, max_len=engine.max_len,

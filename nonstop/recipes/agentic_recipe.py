@@ -502,6 +502,10 @@ class StepLog:
             self._dropped = collections.Counter(queue.dropped)
         out.update({k: float(v) for k, v in record.metrics.items()
                     if isinstance(v, int | float)})
+        stats = self.learner.engine.stats()
+        for name in ("rerouted", "server_failures", "servers_up"):  # remote rollout servers
+            if hasattr(stats, name):
+                out[f"rollout/{name}"] = float(getattr(stats, name))
         return out
 
 

@@ -28,13 +28,14 @@ from jax.sharding import Mesh
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
+from nonstop.agentic.config import RolloutConfig as RolloutBackendConfig
 from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptFormat, greedy_reward
 from nonstop.agentic.streaming import (
     GroupCursor,
     StepRecord,
     StreamingLearner,
 )
-from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
+from nonstop.engine import EngineConfig, SamplingParams, gc_heap_frozen
 from nonstop.engine.placement import PlacementConfig, place
 from nonstop.models import Decoder, Tokenizer, load_pretrained, save_pretrained
 from nonstop.models.lora import LoRAConfig, apply_lora
@@ -89,11 +90,12 @@ class TaskSettings:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
+class RolloutConfig(RolloutBackendConfig):
     """G samples of each of `prompts_per_step` prompts (per process), each up to
     `max_new_tokens` tokens, drawn with `sampling`'s temperature, top-k and top-p (its
     `max_tokens`, stops and seed stay unset: the budget above, the tokenizer's end-of-sequence
-    ids and per-episode seeds apply)."""
+    ids and per-episode seeds apply), on the engine `backend` names (local, vllm or remote;
+    the fields it inherits are `nonstop agentic`'s `rollout:` section's)."""
 
     group_size: int = 8  # G
     prompts_per_step: int = 4
@@ -106,6 +108,7 @@ class RolloutConfig:
                "top_p": "sampling.top_p"}
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         owner = "RolloutConfig"
         check_int(owner, "group_size", self.group_size, low=2)  # group-relative advantages
         check_ints(owner, self, ("prompts_per_step", "max_new_tokens"))
@@ -281,8 +284,8 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
         # Several processes: each host's engine holds a local copy (the trainer's arrays span
         # every host); it starts from the initial model and takes the trainer's weights.
         engine_model = trainer.model() if processes == 1 else model
-        with Engine(engine_model, cfg.engine, tokenizer=tokenizer, policy_version=start_step,
-                    mesh=engine_mesh) as engine:
+        with cfg.rollout.build(engine_model, cfg.engine, tokenizer=tokenizer,
+                               policy_version=start_step, mesh=engine_mesh) as engine:
             if processes > 1 and start_step:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)
 

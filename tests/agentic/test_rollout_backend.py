@@ -3,7 +3,7 @@
 The vLLM run needs the `vllm` extra and is skipped, with the reason, where vLLM is not
 importable (run it with that venv's interpreter, docs/engine.md). It starts from the same SFT
 fixture as tests/recipes/test_agentic_learning.py, whose model (head_dim 32) vLLM's CPU
-attention supports.
+attention supports. The remote runs drive `nonstop serve` subprocesses.
 """
 
 from __future__ import annotations
@@ -77,3 +77,98 @@ def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
     solved = np.asarray([json.loads(line)["solved"] for line in
                          (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()])
     assert solved[-10:].mean() >= solved[:10].mean() + 0.05, solved.round(3).tolist()
+
+
+# ---------------------------------------------------------------- remote servers
+
+
+def test_remote_backend_needs_servers():
+    with pytest.raises(ConfigError, match=r"rollout.servers=\[\].*backend=remote"):
+        load_config(AgenticRunConfig, TINY, ["rollout.backend=remote"])
+    with pytest.raises(ConfigError, match="rollout.servers"):
+        load_config(AgenticRunConfig, TINY, ["rollout.backend=remote", "rollout.servers=[x]"])
+    cfg = load_config(AgenticRunConfig, TINY, [
+        "rollout.backend=remote", "rollout.servers=[http://127.0.0.1:1,http://127.0.0.1:2]"])
+    assert cfg.rollout.servers == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+
+
+def _metric(run_dir: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in
+            (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny agentic config at staleness 0 for 3 steps, and its initial model written as a
+    checkpoint the servers load (the runs push their own weights at start anyway)."""
+    from nonstop.models import save_pretrained
+    from nonstop.models.source import build_model
+
+    root = tmp_path_factory.mktemp("remote_runs")
+    cfg = load_config(AgenticRunConfig, TINY, ["steps=3", "max_staleness=0", "num_eval=8",
+                                               "eval_every=0"])
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    save_pretrained(build_model(cfg.model, tokenizer, seed=cfg.seed), root / "ckpt")
+    tokenizer.save_pretrained(root / "ckpt")
+    return cfg, root
+
+
+SERVER_FLAGS = ["--max-len", "512", "--max-slots", "16"]
+
+
+@pytest.mark.slow
+def test_agentic_grpo_over_two_servers_follows_the_in_process_run(tiny_run, monkeypatch):
+    """rollout.backend=remote over two `nonstop serve` processes at max_staleness 0: the loss of
+    every step equals the in-process engine's run (1e-5), and so do the rewards."""
+    from tests.engine.test_server import API_KEY, start_server
+
+    cfg, root = tiny_run
+    local = dataclasses.replace(cfg, run_dir=str(root / "local"))
+    run_agentic(local, model=load_pretrained(root / "ckpt"), progress=False)
+    monkeypatch.setenv("ROLLOUT_KEY", API_KEY)
+    with (start_server(root / "ckpt", root / "a.log", extra=SERVER_FLAGS) as a,
+          start_server(root / "ckpt", root / "b.log", extra=SERVER_FLAGS) as b):
+        remote = dataclasses.replace(cfg, run_dir=str(root / "remote"), rollout=RolloutConfig(
+            backend="remote", servers=(a, b), api_key_env="ROLLOUT_KEY"))
+        run_agentic(remote, model=load_pretrained(root / "ckpt"), progress=False)
+    want, got = Path(local.run_dir), Path(remote.run_dir)
+    np.testing.assert_allclose(_metric(got, "policy_loss"), _metric(want, "policy_loss"),
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_metric(got, "reward_mean"), _metric(want, "reward_mean"),
+                               atol=1e-6)
+    assert _metric(got, "rollout/servers_up") == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_costs_episodes_not_the_run(tiny_run, monkeypatch):
+    """SIGKILL one of two servers once the first step is written: the run completes its steps
+    on the other, and the metrics count the server lost and the requests sent again."""
+    import threading
+    import time
+
+    from tests.engine.test_server import API_KEY, spawn_server, wait_healthy
+
+    cfg, root = tiny_run
+    run_dir = root / "killed"
+    monkeypatch.setenv("ROLLOUT_KEY", API_KEY)
+    with (spawn_server(root / "ckpt", root / "c.log", extra=SERVER_FLAGS) as (pa, a),
+          spawn_server(root / "ckpt", root / "d.log", extra=SERVER_FLAGS) as (pb, b)):
+        wait_healthy(pa, a, root / "c.log")
+        wait_healthy(pb, b, root / "d.log")
+
+        def kill_after_first_step() -> None:
+            metrics = run_dir / "metrics.jsonl"
+            while not (metrics.exists() and metrics.read_text().strip()):
+                time.sleep(0.05)
+            pb.kill()
+
+        killer = threading.Thread(target=kill_after_first_step, daemon=True)
+        killer.start()
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir), steps=4, rollout=RolloutConfig(
+            backend="remote", servers=(a, b), api_key_env="ROLLOUT_KEY"))
+        summary = run_agentic(cfg, model=load_pretrained(root / "ckpt"), progress=False)
+        killer.join(timeout=5)
+    assert summary["steps"] == 4
+    assert _metric(run_dir, "rollout/servers_up")[-1] == 1.0
+    assert _metric(run_dir, "rollout/server_failures")[-1] == 1.0
+    assert _metric(run_dir, "rollout/rerouted")[-1] >= 1.0

@@ -66,7 +66,7 @@ def test_remote_matches_local_engine(local: Engine, server: str):
         async with RemoteEngine(server, api_key=API_KEY) as remote:
             remote_out = await asyncio.gather(*(remote.generate(p, s)
                                                 for p, s in zip(PROMPTS, PARAMS, strict=True)))
-            assert remote.model == "remote_model"  # asked /v1/models once
+            assert await remote.models() == ["remote_model"]
         local_out = await asyncio.gather(*(local.generate(p, s)
                                            for p, s in zip(PROMPTS, PARAMS, strict=True)))
         return list(remote_out), list(local_out)
@@ -128,7 +128,9 @@ def test_connection_errors_are_retried(server: str):
         async with RemoteEngine(server, api_key=API_KEY, model="remote_model", max_retries=2,
                                 retry_backoff_s=0.01, transport=transport) as remote:
             out = await remote.generate([7, 11], params)
-        assert transport.attempts == 3 and len(out.tokens) == 3
+        # Two refused probes of /nonstop/state, the probe that answers, then the completion.
+        assert transport.attempts == 4 and len(out.tokens) == 3
+        assert remote.stats().server_failures == 2 and remote.stats().servers_up == 1
         # Nothing listens on a fresh port: every attempt is refused, then a clear error.
         async with RemoteEngine(f"http://127.0.0.1:{_free_port()}", model="m", max_retries=2,
                                 retry_backoff_s=0.01) as remote:
@@ -143,8 +145,9 @@ def test_vllm_style_response_and_request_fields():
     seen: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":  # vLLM has no /nonstop/state
+            return httpx.Response(404, json={"detail": "Not Found"})
         seen.append(json.loads(request.content))
-        assert request.url.path == "/v1/completions"
         assert request.headers["authorization"] == "Bearer k"
         return httpx.Response(200, json={"id": "cmpl-1", "object": "text_completion",
                                           "choices": [{

@@ -103,3 +103,36 @@ def test_disaggregated_run_trains_on_its_own_devices(tmp_path):
     first = [h for h in split["history"] if "loss" in h]
     assert len(first) == 2 and all(h["optimizer_steps"] >= 1 for h in first)
     assert abs(first[0]["loss"] - [h for h in one["history"] if "loss" in h][0]["loss"]) < 1e-4
+
+
+def test_remote_backend_keys():
+    with pytest.raises(ConfigError, match=r"rollout.servers=\[\].*backend=remote"):
+        load_config(RLRunConfig, None, ["rollout.backend=remote"])
+    cfg = load_config(RLRunConfig, None, ["rollout.backend=remote",
+                                          "rollout.servers=[http://127.0.0.1:9]"])
+    assert cfg.rollout.servers == ("http://127.0.0.1:9",) and cfg.rollout.group_size == 8
+
+
+@pytest.mark.slow
+def test_rl_over_a_rollout_server_gives_the_local_rewards(tmp_path, monkeypatch):
+    """`nonstop rl` with rollout.backend=remote (one `nonstop serve`, staleness 0): the same
+    rewards step for step as the in-process engine."""
+    from nonstop.models import save_pretrained
+    from nonstop.models.source import build_model, build_tokenizer
+    from tests.engine.test_server import API_KEY, start_server
+
+    path = "nonstop/recipes/configs/grpo_arithmetic.yaml"
+    common = [*TINY, "steps=3", "checkpoint.save_every=100"]
+    local = load_config(RLRunConfig, path, [*common, f"run_dir={tmp_path / 'local'}"])
+    run_rl(local, progress=False)
+    tokenizer = build_tokenizer(local.tokenizer, local.model)
+    save_pretrained(build_model(local.model, tokenizer, seed=local.seed), tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setenv("ROLLOUT_KEY", API_KEY)
+    with start_server(tmp_path / "ckpt", tmp_path / "server.log",
+                      extra=["--max-len", "16", "--max-slots", "8"]) as url:
+        remote = load_config(RLRunConfig, path, [
+            *common, f"run_dir={tmp_path / 'remote'}", "rollout.backend=remote",
+            f"rollout.servers=[{url}]", "rollout.api_key_env=ROLLOUT_KEY"])
+        run_rl(remote, progress=False)
+    assert _rewards(tmp_path / "remote") == _rewards(tmp_path / "local")
