@@ -45,22 +45,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
+import importlib.util
 import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
+from bench.remote_servers import serving
 from nonstop import perf
 from nonstop.agentic.agent import derive_seed
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, LoopLagMonitor, RolloutOrchestrator
 from nonstop.agentic.trajectory_builder import ScriptedToolInteraction
-from nonstop.engine import Engine, EngineConfig, SamplingParams, gc_heap_frozen
+from nonstop.engine import (
+    Engine,
+    EngineConfig,
+    RemoteEngine,
+    RolloutClient,
+    SamplingParams,
+    gc_heap_frozen,
+)
 from nonstop.models import ModelConfig, init_decoder
 
 PROMPT, TURNS, TURN_TOKENS, TOOL_TOKENS = 8, 3, 16, 4
@@ -126,7 +136,7 @@ def make_factory(vocab: int, latency: Callable[[int, int], float],
 AGENT = AgentConfig(max_turns=TURNS, max_tokens_per_turn=TURN_TOKENS, ignore_eos=True)
 
 
-async def run_async(engine: Engine, episodes: int, concurrency: int, vocab: int,
+async def run_async(engine: RolloutClient, episodes: int, concurrency: int, vocab: int,
                     latency: Callable[[int, int], float], system: tuple[int, ...] = ()
                     ) -> list[tuple[float, float]]:
     """(start, end) perf_counter times of `episodes` episodes through the orchestrator (group
@@ -137,7 +147,7 @@ async def run_async(engine: Engine, episodes: int, concurrency: int, vocab: int,
     return [(t.info["started_at"], t.info["finished_at"]) for g in groups.values() for t in g]
 
 
-async def _sync_turn(engine: Engine, context: list[int], session, episode: int, turn: int,
+async def _sync_turn(engine: RolloutClient, context: list[int], session, episode: int, turn: int,
                      vocab: int, latency: Callable[[int, int], float] | None) -> None:
     """One episode's turn in the synchronous baseline: generate; then its tool (if any)."""
     if latency is None:
@@ -149,7 +159,7 @@ async def _sync_turn(engine: Engine, context: list[int], session, episode: int, 
         context += [(t * 7 + turn) % vocab for t in context[-TOOL_TOKENS:]]
 
 
-async def run_sync(engine: Engine, episodes: int, batch: int, vocab: int,
+async def run_sync(engine: RolloutClient, episodes: int, batch: int, vocab: int,
                    latency: Callable[[int, int], float], system: tuple[int, ...] = ()
                    ) -> list[tuple[float, float]]:
     """Batch-synchronous turns: a batch generates a turn, then all its tools run, and so on.
@@ -191,15 +201,22 @@ def peak_in_flight(times: list[tuple[float, float]]) -> int:
     return peak
 
 
-def measure(engine: Engine, run: Callable[[], object], episodes: int,
+def counter(engine: RolloutClient, stats: object, name: str) -> int | None:
+    """A counter of `engine.stats()`, or None where this backend does not count it (the
+    remote and vLLM clients see no compiles, evictions or pipelined tokens; the remote one no
+    prefill or prefix-cache figures: its RemoteStats' 0 there means "not reported")."""
+    if isinstance(engine, RemoteEngine) and name in ("prefix_hit_tokens", "cached_tokens"):
+        return None
+    value = getattr(stats, name, None)
+    return sum(value.values()) if isinstance(value, dict) else value
+
+
+def measure(engine: RolloutClient, run: Callable[[], object], episodes: int,
             concurrency: int, system_tokens: int = 0) -> dict[str, float]:
     """Run one configuration under a fresh perf recorder and compute its figures, over the whole
     run and over its steady state (`steady_window`)."""
     recorder = perf.configure(perf.PerfConfig(capacity=4_000_000))
     before = engine.stats()
-    traces = sum(before.traces.values())
-    generated = before.generated_tokens
-    dropped = before.dropped_tokens
 
     async def main():
         async with LoopLagMonitor(interval_s=0.005) as lag:
@@ -223,27 +240,41 @@ def measure(engine: Engine, run: Callable[[], object], episodes: int,
                   "steady_episodes_per_s": sum(a < end <= b for _, end in times) / (b - a),
                   "steady_engine_busy": perf.busy_fraction(events, perf.ENGINE, ns)}
     durations = [end - start for start, end in times]
-    tokens = engine.stats().generated_tokens - generated
+    after = engine.stats()
+
+    def delta(name: str) -> int | None:
+        a, b = counter(engine, before, name), counter(engine, after, name)
+        return None if a is None or b is None else b - a
+
+    tokens = delta("generated_tokens")
     # Tokens the engine computed past a request's end (pipelining; decode_steps_per_call > 1),
     # as a fraction of those it kept: device time inside "busy" that bought nothing.
-    after = engine.stats()
-    dropped_frac = (after.dropped_tokens - dropped) / max(tokens, 1)
+    dropped = delta("dropped_tokens")
     given = prompt_tokens_of(episodes, system_tokens)
-    prefilled = after.prefilled_tokens - before.prefilled_tokens
-    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    prefilled, hits = delta("prefilled_tokens"), delta("prefix_hit_tokens")
     return {"episodes_per_s": episodes / wall, "tokens_per_s": tokens / wall,
-            "dropped_frac": dropped_frac, "peak_in_flight": peak_in_flight(times),
+            "dropped_frac": None if dropped is None else dropped / max(tokens, 1),
+            "peak_in_flight": peak_in_flight(times),
             "prompt_tokens": given, "prefilled_tokens": prefilled, "prefix_hit_tokens": hits,
-            "prefix_hit_rate": hits / given, "cached_rate": 1 - prefilled / given,
-            "evictions": after.evictions - before.evictions,
-            "preemptions": after.preemptions - before.preemptions,
+            "prefix_hit_rate": None if hits is None else hits / given,
+            "cached_rate": None if prefilled is None else 1 - prefilled / given,
+            "evictions": delta("evictions"), "preemptions": delta("preemptions"),
             "engine_busy": busy, **steady, "latency_p50_s": float(np.median(durations)),
             "latency_p99_s": float(np.quantile(durations, 0.99)), "loop_lag_p99_ms": lag_p99,
-            "wall_s": wall, "compiles_after_warmup": sum(engine.stats().traces.values()) - traces}
+            "wall_s": wall, "compiles_after_warmup": delta("traces")}
 
 
-def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+def median_of(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each figure's median over the runs (None where a backend does not report it)."""
+    return {k: None if any(r[k] is None for r in runs) else statistics.median(r[k] for r in runs)
+            for k in runs[0]}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" right-aligned to its width where it is None."""
+    if value is None:
+        return "-".rjust(int(spec.split(".")[0] or 0))
+    return format(value, spec)
 
 
 def main() -> None:
@@ -285,42 +316,84 @@ def main() -> None:
                         default=tuple(LATENCIES))
     parser.add_argument("--seconds", type=float, default=None,
                         help="target wall time per async configuration (20; 6 with --quick)")
+    parser.add_argument("--backend", nargs="+", choices=("local", "vllm", "remote"),
+                        default=["local"],
+                        help="rollout backends, one engine each, side by side: local (Engine), "
+                             "vllm (VLLMEngine), remote (RemoteEngine over --servers nonstop "
+                             "serve processes this benchmark starts)")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="nonstop serve processes behind the remote backend (each with "
+                             "--slots slots)")
     args = parser.parse_args()
-    combos = [(layout, cache == "on") for layout in args.kv_layout
-              for cache in (args.prefix_cache if layout == "paged" else ["on"])]
+    combos = []
+    for backend in dict.fromkeys(args.backend):
+        if backend != "local":
+            combos.append((backend, "dense", True))
+            continue
+        combos += [(backend, layout, cache == "on") for layout in args.kv_layout
+                   for cache in (args.prefix_cache if layout == "paged" else ["on"])]
     rows: list[dict[str, object]] = []
-    for layout, prefix_cache in combos:
-        rows += bench_engine(args, layout, prefix_cache)
-    if len(combos) > 1:
+    for backend, layout, prefix_cache in combos:
+        rows += bench_engine(args, backend, layout, prefix_cache)
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    if len(engines) > 1:
         print("\nside by side (async rows; ratios within each engine):")
         for name in args.latencies:
             for r in rows:
                 if r["latency"] == name and r["mode"] == "async":
                     ratio = next(q for q in rows if q["latency"] == name
                                  and q["mode"] == "ratios" and q["engine"] == r["engine"])
-                    print(f"{name:>15} {r['engine']:>18}: {r['episodes_per_s']:7.1f} eps/s  "
+                    print(f"{name:>15} {r['engine']:>28}: {r['episodes_per_s']:7.1f} eps/s  "
                           f"busy {r['engine_busy']:.2f} (steady {r['steady_engine_busy']:.2f})  "
                           f"in flight {r['peak_in_flight']:5d}  async/limit "
                           f"{ratio['async_over_limit']:.2f} (steady "
-                          f"{ratio['steady_async_over_limit']:.2f})  cached "
-                          f"{r['cached_rate']:.3f} prefix {r['prefix_hit_rate']:.3f}  "
-                          f"evictions {r['evictions']}  preemptions {r['preemptions']}")
+                          f"{ratio['steady_async_over_limit']:.2f})  async/sync "
+                          f"{ratio['async_over_sync']:.2f} (steady "
+                          f"{ratio['steady_async_over_sync']:.2f})  cached "
+                          f"{fmt(r['cached_rate'], '.3f')} prefix "
+                          f"{fmt(r['prefix_hit_rate'], '.3f')}  evictions {r['evictions']}  "
+                          f"preemptions {r['preemptions']}")
     if args.out:
         with args.out.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
 
 
-def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
+@contextlib.contextmanager
+def open_backend(backend: str, model, config: EngineConfig, servers: int
+                 ) -> Iterator[RolloutClient]:
+    """`backend`'s engine on `model`, sized by `config` (slots and max_len; the rest is the
+    local engine's), stopped (and its servers) on exit."""
+    if backend == "local":
+        with Engine(model, config) as engine:
+            yield engine
+    elif backend == "remote":
+        with (serving(model, servers=servers, max_slots=config.max_slots,
+                      max_len=config.max_len) as urls,
+              RemoteEngine(urls, max_len=config.max_len, policy=model) as engine):
+            yield engine
+    else:
+        from nonstop.engine import VLLMEngine, VLLMEngineConfig
+
+        with VLLMEngine(model, VLLMEngineConfig(max_slots=config.max_slots,
+                                                max_len=config.max_len)) as engine:
+            yield engine
+
+
+def bench_engine(args: argparse.Namespace, backend: str, layout: str, prefix_cache: bool
                  ) -> list[dict[str, object]]:
     """Every latency's limit, sync and async rows (and their ratios) on one engine."""
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        print("\nvllm: skipped: vLLM is not importable in this Python (pip install "
+              "'nonstop[vllm]' in a venv of its own; docs/engine.md, VLLMEngine)")
+        return []
     repeats = args.repeats or (1 if args.quick else 3)
     # 64 slots: enough rows a call that the host's per-call work (one GIL for the scheduler
     # and the event loop, on the CPU cores the device runs on) keeps up with the device; with
     # 128 the device is busier still, but a batch-synchronous turn then hides more of its
     # tools behind its own long generation (200 ms: 2.3x sync against 3.2x at 64).
     slots = args.slots or (16 if args.quick else 64)
-    sync_batch = args.sync_batch or slots
+    sync_batch = args.sync_batch or slots * (args.servers if backend == "remote" else 1)
     cfg = model_config(args.size)
     S = args.system_prompt_tokens
     longest = S + PROMPT + TURNS * TURN_TOKENS + (TURNS - 1) * TOOL_TOKENS + 8
@@ -329,8 +402,12 @@ def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
     parked = 0 if paged else (args.max_concurrency if args.parked_slots is None
                               else args.parked_slots)
     swap = 0.0 if paged else args.swap_gib
-    label = f"{layout}" + ((" prefix-cache " + ("on" if prefix_cache else "off")) if paged
-                           else "")
+    label = f"{backend} {layout}" + ((" prefix-cache " + ("on" if prefix_cache else "off"))
+                                     if paged else "")
+    if backend == "remote":
+        label = f"remote x{args.servers}"
+    elif backend == "vllm":
+        label = "vllm"
     system = system_prompt(S, cfg.vocab_size)
     # Attention buckets and batched prefill on: throughput over bit-exact batch invariance
     # (see EngineConfig).
@@ -340,8 +417,24 @@ def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
         pipeline_depth=args.pipeline_depth, swap_space_gib=swap, parked_slots=parked,
         kv_layout=layout, block_size=args.block_size, prefix_cache=prefix_cache,
         kv_cache_tokens=args.kv_cache_tokens if paged else None)
-    engine = Engine(init_decoder(cfg, seed=0), config).start()
-    vocab = cfg.vocab_size
+    # nonstop serve builds its engine from --max-slots and --max-len alone: EngineConfig's
+    # defaults otherwise (one prefill row, one decode bucket, no parked slots), shown as such.
+    shown = config if backend == "local" else EngineConfig(max_slots=slots, max_len=max_len)
+    settings = {"backend": backend, "engine": label,
+                "servers": args.servers if backend == "remote" else None}
+    with open_backend(backend, init_decoder(cfg, seed=0), config, args.servers) as engine:
+        return bench_latencies(args, engine, shown, settings, sync_batch, repeats, system)
+
+
+def bench_latencies(args: argparse.Namespace, engine: RolloutClient, config: EngineConfig,
+                    settings: dict[str, object], sync_batch: int, repeats: int,
+                    system: tuple[int, ...]) -> list[dict[str, object]]:
+    """`bench_engine`'s rows on a running engine; `config`: the engine's settings, as run."""
+    vocab = model_config(args.size).vocab_size
+    S, max_len = len(system), config.max_len
+    # Episodes the engine runs at once: every server's slots.
+    slots = config.max_slots * (settings["servers"] or 1)
+    paged = config.kv_layout == "paged"
     seconds = args.seconds or (6.0 if args.quick else 20.0)
 
     # Warm-up (compiles and the host paths), then the limit: what the engine does unhindered.
@@ -356,17 +449,20 @@ def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
     limit_rate = probe["episodes_per_s"]
     gen_s = TURNS * TURN_TOKENS / max(probe["tokens_per_s"] / limit_concurrency, 1e-9)
     kv_tokens = config.num_blocks * config.block_size if paged else slots * max_len
-    print(f"\n{label}: model {args.size}: slots={slots} max_len={max_len} kv_tokens={kv_tokens} "
-          f"system_prompt={S} decode_buckets=4 "
-          f"prefill_rows={args.prefill_rows} decode_steps_per_call={args.decode_steps} "
-          f"pipeline_depth={args.pipeline_depth} "
-          f"swap_space_gib={swap} parked_slots={parked} sync_batch={sync_batch} "
-          f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
-    settings = {"engine": label, "kv_layout": layout, "prefix_cache": prefix_cache,
+    settings = {**settings, "kv_layout": config.kv_layout, "prefix_cache": config.prefix_cache,
                 "kv_cache_tokens": kv_tokens, "max_len": max_len, "system_prompt_tokens": S,
-                "prefill_rows": args.prefill_rows, "decode_steps_per_call": args.decode_steps,
-                "pipeline_depth": args.pipeline_depth,
-                "swap_space_gib": swap, "parked_slots": parked}
+                "decode_buckets": config.decode_buckets, "prefill_rows": config.prefill_rows,
+                "decode_steps_per_call": config.decode_steps_per_call,
+                "pipeline_depth": config.pipeline_depth,
+                "swap_space_gib": config.swap_space_gib, "parked_slots": config.parked_slots}
+    print(f"\n{settings['engine']}: model {args.size}: slots={config.max_slots}"
+          + (f" x {args.servers} servers" if settings["servers"] else "")
+          + f" max_len={max_len} kv_tokens={kv_tokens} system_prompt={S} "
+          f"decode_buckets={config.decode_buckets} prefill_rows={config.prefill_rows} "
+          f"decode_steps_per_call={config.decode_steps_per_call} "
+          f"pipeline_depth={config.pipeline_depth} swap_space_gib={config.swap_space_gib} "
+          f"parked_slots={config.parked_slots} sync_batch={sync_batch} "
+          f"repeats={repeats}; limit ~{limit_rate:.1f} episodes/s")
     rows = []
     header = (f"{'latency':>15} {'mode':>6} {'conc':>5} {'eps/s':>8} {'tok/s':>8} {'busy':>5} "
               f"{'steady eps/s':>12} {'busy':>5} {'drop':>5} {'p50 s':>6} {'p99 s':>6} "
@@ -400,10 +496,10 @@ def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
             print(f"{name:>15} {mode:>6} {conc:>5} {r['episodes_per_s']:8.1f} "
                   f"{r['tokens_per_s']:8.0f} {r['engine_busy']:5.2f} "
                   f"{r['steady_episodes_per_s']:12.1f} {r['steady_engine_busy']:5.2f} "
-                  f"{r['dropped_frac']:5.2f} {r['latency_p50_s']:6.2f} "
+                  f"{fmt(r['dropped_frac'], '5.2f')} {r['latency_p50_s']:6.2f} "
                   f"{r['latency_p99_s']:6.2f} {r['loop_lag_p99_ms']:8.1f} "
-                  f"{r['compiles_after_warmup']:8.0f} {r['cached_rate']:6.3f} "
-                  f"{r['prefix_hit_rate']:6.3f} {r['peak_in_flight']:6.0f}")
+                  f"{fmt(r['compiles_after_warmup'], '8.0f')} {fmt(r['cached_rate'], '6.3f')} "
+                  f"{fmt(r['prefix_hit_rate'], '6.3f')} {r['peak_in_flight']:6.0f}")
             rows.append({"benchmark": "agentic", "size": args.size, "latency": name,
                          "mode": mode, "slots": slots, "concurrency": conc,
                          "episodes": n, "repeats": repeats, **settings, **r})
@@ -420,7 +516,6 @@ def bench_engine(args: argparse.Namespace, layout: str, prefix_cache: bool
                      "async_over_sync": ratio_sync, "steady_async_over_limit": steady_limit,
                      "steady_async_over_sync": steady_sync, "concurrency": concurrency,
                      "slots": slots, **settings})
-    engine.stop()
     return rows
 
 
