@@ -270,8 +270,10 @@ def test_update_weights(
 def test_update_weights_in_flight(
     engine: Any, backend: str, checkpoints: tuple[Path, Path], references: tuple[Engine, Engine]
 ):
-    """A request running across an update is restarted with its prefix: the tokens before the
-    switch are the first weights', the rest the second weights' continuation of that prefix."""
+    """A request running across an update ends on the second weights: the tokens it keeps from
+    before the switch are the first weights' (vLLM keeps them; the in-process Engine with
+    on_weight_update="abort" keeps none and starts again), the rest the second weights'
+    continuation of that prefix."""
     if backend == "remote":
         pytest.skip("the tiny model's whole request (120 tokens) ends before a weight post "
                     "reaches the server (77 ms measured); the server restarts requests in flight "
@@ -280,14 +282,18 @@ def test_update_weights_in_flight(
     params = SamplingParams(temperature=0.0, max_tokens=80)
 
     async def main() -> Completion:
-        task = asyncio.create_task(engine.generate(PROMPTS[0], params))
-        start = engine.stats().generated_tokens
-        for _ in range(500):
-            await asyncio.sleep(0.005)
-            if engine.stats().generated_tokens > start:
-                break
-        await asyncio.to_thread(engine.update_weights, new, 8)
-        return await task
+        # The update follows this request's own first token (a global token count also moves
+        # with other requests' tokens, which let the update land before this one started).
+        completion = None
+        async for chunk in engine.stream(PROMPTS[0], params):
+            if chunk.tokens and not first_versions:
+                first_versions.extend(chunk.policy_versions)
+                engine.update_weights(new, 8)
+            completion = chunk.completion or completion
+        assert completion is not None
+        return completion
+
+    first_versions: list[int] = []
 
     out = asyncio.run(main())
     versions = np.array(out.policy_versions)
@@ -295,7 +301,8 @@ def test_update_weights_in_flight(
     n_old = int(np.sum(versions == before))
     (want_old,) = asyncio.run(generate_all(references[0], PROMPTS[:1], params))
     assert out.tokens[:n_old] == want_old.tokens[:n_old]
-    assert 0 < n_old < len(out.tokens), "the request was not running across the update"
+    assert first_versions and set(first_versions) == {before}, "not running before the update"
+    assert n_old < len(out.tokens), "the update did not reach the request in flight"
     rest = SamplingParams(temperature=0.0, max_tokens=params.max_tokens - n_old)
     (want_new,) = asyncio.run(
         generate_all(references[1], [PROMPTS[0] + list(out.tokens[:n_old])], rest)
