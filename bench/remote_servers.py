@@ -44,24 +44,29 @@ def write_checkpoint(model, directory: Path) -> Path:
     return directory
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+def wait_healthy(process: subprocess.Popen, url: str, log: Path,
+                 timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Return once `url`/health answers 200; raise with the end of the server's `log` if the
+    process exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"nonstop serve exited with {process.returncode} ({log}):\n"
                                f"{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"nonstop serve not healthy after {STARTUP_TIMEOUT_S:.0f} s "
+            raise RuntimeError(f"nonstop serve not healthy after {timeout_s:.0f} s "
                                f"({log}):\n{log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
 @contextlib.contextmanager
@@ -79,7 +84,7 @@ def serving(model, *, servers: int, max_slots: int, max_len: int, dtype: str = "
         env.pop("NONSTOP_API_KEY", None)
         started = []
         for i in range(servers):
-            port = _free_port()
+            port = free_port()
             log = workdir / f"server{i}.log"
             command = [sys.executable, "-m", "nonstop.cli.serve", str(checkpoint),
                        "--host", "127.0.0.1", "--port", str(port), "--max-len", str(max_len),
@@ -93,7 +98,7 @@ def serving(model, *, servers: int, max_slots: int, max_len: int, dtype: str = "
             started.append((process, f"http://127.0.0.1:{port}", log))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for process, url, log in started:
-            _wait_healthy(process, url, log, deadline)
+            wait_healthy(process, url, log, max(1.0, deadline - time.monotonic()))
         yield [url for _, url, _ in started]
 
 

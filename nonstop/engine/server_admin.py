@@ -295,17 +295,12 @@ class RolloutAdmin:
 
 
 def _decode(model: nnx.Module, blob: bytes | bytearray | memoryview) -> nnx.State:
-    from safetensors import SafetensorError
-
     from nonstop.engine.weight_transfer import WeightsMismatchError, decode_weights
 
     try:
         return decode_weights(model, blob)
     except WeightsMismatchError as error:
         raise ProtocolError(f"weights: {error}; the server keeps its weights") from error
-    except SafetensorError as error:
-        raise ProtocolError(f"weights: not a safetensors blob ({error}); the server keeps its "
-                            "weights") from error
 
 
 __all__ = ["PauseGate", "RolloutAdmin", "SessionRegistry"]

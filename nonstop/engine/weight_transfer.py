@@ -18,11 +18,11 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 from nonstop.models.hf_weights import weight_specs
 from nonstop.models.lora import merge_lora
+from nonstop.models.safetensors_io import CheckpointError, load_blob
 
 
 class WeightsMismatchError(ValueError):
@@ -51,8 +51,12 @@ def encode_weights(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State,
 def decode_weights(model: nnx.Module, blob: bytes | bytearray | memoryview) -> nnx.State:
     """The `nnx.Param` state of `model` with every tensor taken from the safetensors `blob`,
     cast to the model's own dtypes. Raises `WeightsMismatchError` naming the first tensor that
-    is missing, unexpected or of the wrong shape (the model is never touched)."""
-    tensors = load_safetensors(bytes(blob))
+    is missing, unexpected or of the wrong shape, or a blob that is not safetensors (the model
+    is never touched). bfloat16 blobs load (`safetensors.numpy.load` cannot read them)."""
+    try:
+        tensors = load_blob(blob)
+    except CheckpointError as error:
+        raise WeightsMismatchError(str(error)) from error
     specs = weight_specs(model.cfg)
     expected = {spec.hf_name for spec in specs}
     unexpected = sorted(set(tensors) - expected)

@@ -60,27 +60,59 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
         if 8 + length > size:
             raise CheckpointError(f"{file}: corrupt or truncated: header length {length} but the "
                                   f"file has {size} bytes")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: not a safetensors file (header is not JSON: {e})") from e
-    base = 8 + length
+        header = _parse_header(f.read(length), file)
+    return _entries(header, 8 + length, size, file)
+
+
+def load_blob(blob: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file held in memory (e.g. received over HTTP), copied out
+    of `blob`; unlike `safetensors.numpy.load`, bfloat16 tensors load (as ml_dtypes')."""
+    view = memoryview(blob).cast("B")
+    where = "the blob"
+    if len(view) < 8:
+        raise CheckpointError(f"{where}: not a safetensors blob (shorter than its header)")
+    (length,) = struct.unpack("<Q", view[:8])
+    if 8 + length > len(view):
+        raise CheckpointError(f"{where}: corrupt or truncated: header length {length} but the "
+                              f"blob has {len(view)} bytes")
+    header = _parse_header(bytes(view[8:8 + length]), where)
+    return {name: np.frombuffer(view[e.start:e.end], dtype=e.dtype).reshape(e.shape).copy()
+            for name, e in _entries(header, 8 + length, len(view), where).items()}
+
+
+def _parse_header(raw: bytes, where: object) -> dict:
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: not a safetensors file (header is not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: not a safetensors file (header is not a JSON object)")
+    return header
+
+
+def _entries(header: dict, base: int, size: int, where: object) -> dict[str, TensorEntry]:
+    """The header's tensors with absolute offsets, each checked to lie within `size` bytes."""
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] not in DTYPES:
-            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
-        dtype, shape = DTYPES[meta["dtype"]], tuple(meta["shape"])
-        start, end = meta["data_offsets"]
+        try:
+            dtype_name, shape = meta["dtype"], tuple(int(n) for n in meta["shape"])
+            start, end = (int(n) for n in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: tensor {name!r} has a malformed header entry "
+                                  f"{meta!r}") from e
+        if dtype_name not in DTYPES:
+            raise CheckpointError(f"{where}: tensor {name!r} has unsupported dtype {dtype_name}")
+        dtype = DTYPES[dtype_name]
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if end - start != nbytes:
-            raise CheckpointError(f"{file}: tensor {name!r} ({meta['dtype']} {list(shape)}) needs "
+            raise CheckpointError(f"{where}: tensor {name!r} ({dtype_name} {list(shape)}) needs "
                                   f"{nbytes} bytes but its data_offsets span {end - start}")
-        if base + end > size:
-            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at byte {base + end} "
-                                  f"but the file has {size} bytes; re-download or re-save it")
-        entries[name] = TensorEntry(file=file, dtype=dtype, shape=shape,
+        if start < 0 or base + end > size:
+            raise CheckpointError(f"{where}: truncated: tensor {name!r} ends at byte {base + end} "
+                                  f"but it has {size} bytes; re-download or re-save it")
+        entries[name] = TensorEntry(file=Path(str(where)), dtype=dtype, shape=shape,
                                     start=base + start, end=base + end)
     return entries
 

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.remote_servers import free_port
 from nonstop.engine.config import EngineConfig
 from nonstop.engine.engine import Engine
 from nonstop.engine.remote import RemoteEngine, RemoteEngineError, RemoteRequestError
@@ -28,7 +29,6 @@ from tests.engine.test_server import (
     MAX_LEN,
     MAX_SLOTS,
     VOCAB,
-    _free_port,
     build_checkpoint,
     start_server,
 )
@@ -132,7 +132,7 @@ def test_connection_errors_are_retried(server: str):
         assert transport.attempts == 4 and len(out.tokens) == 3
         assert remote.stats().server_failures == 2 and remote.stats().servers_up == 1
         # Nothing listens on a fresh port: every attempt is refused, then a clear error.
-        async with RemoteEngine(f"http://127.0.0.1:{_free_port()}", model="m", max_retries=2,
+        async with RemoteEngine(f"http://127.0.0.1:{free_port()}", model="m", max_retries=2,
                                 retry_backoff_s=0.01) as remote:
             with pytest.raises(RemoteEngineError, match="after 3 attempts"):
                 await remote.generate([7, 11], params)

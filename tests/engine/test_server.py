@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import nonstop
+from bench.remote_servers import free_port, wait_healthy
 from bench.server_load import gauge, run_load, wait_idle
 from nonstop.engine import openai_protocol as wire
 from nonstop.engine.server import ServerConfig, text_deltas
@@ -41,7 +41,6 @@ VOCAB = 293  # prime; the tiny llama3 tokenizer is trained to exactly this many 
 MAX_LEN = 127
 MAX_SLOTS = 3
 API_KEY = "test-key-7f3a"
-STARTUP_TIMEOUT_S = 240.0
 
 
 def build_checkpoint(directory: Path) -> Path:
@@ -60,19 +59,13 @@ def build_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def spawn_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_KEY,
                  extra: Sequence[str] = (), env: dict[str, str] | None = None
                  ) -> Iterator[tuple[subprocess.Popen, str]]:
     """Run `nonstop serve` in a subprocess on a free loopback port; yield (process, base URL) at
     once (see `wait_healthy`); terminate it (kill if it lingers) on exit, whatever happened."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "nonstop.cli.serve", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--max-len", str(MAX_LEN), "--max-slots", str(MAX_SLOTS),
                "--log-level", "warning", *extra]
@@ -93,22 +86,6 @@ def spawn_server(model_dir: Path, log_path: Path, *, api_key: str | None = API_K
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=15)
-
-
-def wait_healthy(process: subprocess.Popen, base_url: str, log_path: Path) -> None:
-    """Return once /health answers; raise with the server's log if it exits or never does."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.25)
 
 
 @contextlib.contextmanager

@@ -228,8 +228,29 @@ def test_refused_weights_keep_the_old_ones(client: httpx.Client, local: Engine, 
         error = error_of(client.post("/nonstop/weights", params=params,
                                      content=save_safetensors(tensors), headers=octet), 400)
         assert error["param"] == "version"
+    blob = save_safetensors(tensors)
+    for garbage, why in [(b"tiny", "shorter than its header"),
+                         (blob[:len(blob) // 2], "truncated"),
+                         (b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]", "not a JSON object")]:
+        error = error_of(client.post("/nonstop/weights", params={"version": 3},
+                                     content=garbage, headers=octet), 400)
+        assert why in error["message"] and "keeps its weights" in error["message"], error
     assert state(client)["policy_version"] == 2
     assert_matches_local(client, local, 2)
+
+
+def test_bfloat16_weights(client: httpx.Client, local: Engine, split, weights):
+    """A bfloat16 blob (what RemoteEngine(weight_dtype="bfloat16") sends) loads into the
+    float32 server: its tokens are those of the weights rounded to bfloat16."""
+    graphdef, _, rest = split
+    blob = encode_weights(graphdef, weights[1], rest, jnp.bfloat16)
+    assert len(blob) < len(blob_of(split, weights[1])) * 0.6
+    response = client.post("/nonstop/weights", params={"version": 3}, content=blob,
+                           headers={"Content-Type": "application/octet-stream"})
+    assert response.status_code == 200, response.text
+    rounded = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), weights[1])
+    local.update_weights(rounded, 3)
+    assert_matches_local(client, local, 3)
 
 
 # ---------------------------------------------------------------- pause
