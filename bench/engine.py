@@ -35,7 +35,7 @@ layouts at `--vllm-slots` (32 and 64) slots. Figures: tokens/s of each and nonst
 (goal >= 1, and more slots never slower than fewer), and whether the greedy tokens of the
 first 16 requests are the same.
 
-    python -m bench.engine --vllm-python /work/vllm-venv/bin/python [--quick] [--repeats 1]
+    python -m bench.engine --vllm-python .venv-vllm/bin/python [--quick] [--repeats 1]
 """
 
 from __future__ import annotations
