@@ -4,7 +4,7 @@ others) do a trainer's rollouts, or vLLM and SGLang servers do its generation.
     with RemoteEngine(["http://10.0.0.5:8000", "http://10.0.0.6:8000"], policy=model,
                       max_len=512) as engine:
         completion = await engine.generate(token_ids, params, session=session)
-        engine.update_weights(nnx.state(model, nnx.Param), version)   # every server, no files
+        engine.update_weights(nnx.state(model, nnx.Param), version)   # every server
 
 Each `generate(token_ids, params)` is one POST to a server's `/v1/completions` with a token-id
 prompt (never re-tokenized) and vLLM's extensions: `ignore_eos: true` with `stop_token_ids`, so
@@ -24,15 +24,24 @@ to another one with the same seed, so the episode goes on (`stats().rerouted` co
 down server is probed again after `revive_after_s`; with no server left the client waits
 `retry_backoff_s * 2**k` and tries the down ones again, up to `max_retries` further attempts.
 
-Weights (`nonstop serve` only): `update_weights(params, version)` encodes the policy's
-parameters once (`weight_transfer.encode_weights`: Hugging Face names and layouts, LoRA merged,
-cast to `weight_dtype`) and posts the blob to every live server, through POSIX shared memory
-when every server is on this host (`weight_transfer="auto"`), else as the request body; it
-returns once every live server has taken them (requests submitted afterwards sample from them).
-The last blob is kept: a server seen for the first time, or back after being down, gets it
-before its first request whenever its version differs (a server that joins late, or restarts,
-never samples with stale weights). `policy=` (the trainer's model, for its architecture) is
-needed for this; without it the engine is generation-only.
+Weights: `update_weights(params, version)` encodes the policy's parameters once
+(`weight_transfer.encode_weights`: Hugging Face names and layouts, LoRA merged, cast to
+`weight_dtype`) and hands the blob to every live server; it returns once every live server has
+taken them (requests submitted afterwards sample from them). A `nonstop serve` gets it posted,
+through POSIX shared memory when every server is on this host (`weight_transfer="auto"`), else
+as the request body. A vLLM server started with `VLLM_SERVER_DEV_MODE=1` (it has no in-memory
+transfer on CPU) reloads it from a file: the blob is written once per update as
+`model.safetensors` in `weight_dir`, then the server is paused (`POST /pause?mode=abort`), reloads
+(`POST /collective_rpc` `reload_weights`), takes the version (`/update_weight_version`) and
+resumes. Its requests in flight end "abort" with their tokens so far; this client resubmits
+each with that prefix appended to the prompt (remaining `max_tokens`, same seed), so the
+prefix keeps the old version and the rest is sampled from the new weights, as `VLLMEngine`
+does in-process (`stats().restarted` counts them; a stop string spanning the seam is not
+seen). Other servers (SGLang, vLLM without dev mode) are generation-only: updating them is an
+error. The last blob is kept: a server seen for the first time, or back after being down, gets
+it before its first request whenever its version differs (a server that joins late, or
+restarts, never samples with stale weights). `policy=` (the trainer's model, for its
+architecture) is needed for this; without it the engine is generation-only.
 
 Connection failures and 502/503/504 are retried as above; a 4xx raises `RemoteRequestError`
 (also an engine `RequestError`) with the server's message, a 5xx or a malformed response
@@ -48,6 +57,10 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
+import shutil
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -157,6 +170,7 @@ class RemoteStats:
     servers_up: int
     weight_updates: int
     weight_sync_s: float  # seconds spent in update_weights and late-join pushes
+    restarted: int  # requests a vLLM server aborted for weights, resubmitted with their prefix
 
 
 @dataclasses.dataclass(eq=False)
@@ -173,9 +187,15 @@ class _Server:
     max_slots: int = 1
     max_len: int | None = None
     version: int | None = None  # the weights' version it runs, as last known
+    vllm: bool = False  # a vLLM server with its dev endpoints (VLLM_SERVER_DEV_MODE=1)
+    updates: int = 0  # weight updates begun on it (a vLLM request that spans one was aborted)
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)  # not updating
     in_flight: int = 0
     picks: int = 0  # requests sent to it (ties go to the least used)
     lock: asyncio.Lock | None = None
+
+    def __post_init__(self) -> None:
+        self.ready.set()
 
     @property
     def loopback(self) -> bool:
@@ -222,6 +242,7 @@ class RemoteEngine:
         weight_dtype: str = "float32",
         weight_transfer: WeightTransfer = "auto",
         revive_after_s: float = 5.0,
+        weight_dir: str | os.PathLike[str] | None = None,
     ):
         """`base_url`: one server's URL or a list of them. `model`: the served model's name, or
         None to ask each server. `timeout`: seconds for one HTTP request (a whole generation).
@@ -232,7 +253,10 @@ class RemoteEngine:
         the trainer's model, whose architecture `update_weights` encodes for; `weight_dtype`:
         the dtype weights travel in; `weight_transfer`: "auto" (shared memory when every
         server is on this host), "http" or "shm". `revive_after_s`: how long a server that
-        failed is left alone before it is probed again (and brought up to date)."""
+        failed is left alone before it is probed again (and brought up to date). `weight_dir`:
+        where updates for vLLM servers are written (`model.safetensors`, replaced each update);
+        the servers must read it at the same path (same host, or a shared filesystem). None: a
+        temporary directory of this process, removed by `close` (same host only)."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
@@ -265,7 +289,7 @@ class RemoteEngine:
         self._pinned: dict[int, _Server] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._counts = dict(generated_tokens=0, completed=0, failed=0, rerouted=0,
-                            server_failures=0, weight_updates=0)
+                            server_failures=0, weight_updates=0, restarted=0)
         self._sync_s = 0.0
         self._in_flight = 0
         self._busy_since = 0
@@ -276,6 +300,10 @@ class RemoteEngine:
             self._graphdef, _, self._rest = nnx.split(policy, nnx.Param, ...)
         self._blob: bytes | None = None  # the last weights published, for late joiners
         self._blob_version = policy_version
+        self._weight_dir = None if weight_dir is None else os.fspath(weight_dir)
+        self._own_weight_dir: str | None = None  # the temporary one, removed by close()
+        self._written_version: int | None = None  # the version in weight_dir's file
+        self._file_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -316,7 +344,10 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Close the HTTP clients of loops that have ended (a running loop's client is closed
-        by `aclose`, or when its loop ends)."""
+        by `aclose`, or when its loop ends); remove the temporary weight directory."""
+        if self._own_weight_dir is not None:
+            shutil.rmtree(self._own_weight_dir, ignore_errors=True)
+            self._own_weight_dir = self._written_version = None
         for loop in list(self._clients):
             if not loop.is_running():
                 client = self._clients.pop(loop)
@@ -357,7 +388,8 @@ class RemoteEngine:
                            policy_version=self.policy_version, rerouted=c["rerouted"],
                            server_failures=c["server_failures"],
                            servers_up=sum(s.up for s in self._servers),
-                           weight_updates=c["weight_updates"], weight_sync_s=self._sync_s)
+                           weight_updates=c["weight_updates"], weight_sync_s=self._sync_s,
+                           restarted=c["restarted"])
 
     # ---------------------------------------------------------------- HTTP
 
@@ -424,15 +456,17 @@ class RemoteEngine:
                 message, body = _error_message(response)
                 raise RemoteRequestError(f"{server.root}: {message}", status=response.status_code,
                                          body=body)
-            else:  # not nonstop serve (vLLM, SGLang): generation only
+            else:  # vLLM (weights through its dev endpoints, if on), SGLang: generation only
                 server.nonstop = False
+                await self._probe_vllm(server)
             given = self.config.max_len_given
             if server.max_len is not None and given is not None and server.max_len < given:
                 raise EngineError(
                     f"rollout server {server.root} serves a context of {server.max_len} tokens, "
                     f"less than the {given} this run needs (engine.max_len): start it with "
                     f"--max-len {given} or lower engine.max_len")
-            if server.nonstop and self._blob is not None and server.version != self._blob_version:
+            if ((server.nonstop or server.vllm) and self._blob is not None
+                    and server.version != self._blob_version):
                 started = time.perf_counter()
                 await asyncio.to_thread(self._push_one, server, self._blob, self._blob_version)
                 self._sync_s += time.perf_counter() - started
@@ -440,6 +474,21 @@ class RemoteEngine:
             if self._max_slots_given is None:
                 slots = sum(s.max_slots for s in self._servers)
                 self.config = dataclasses.replace(self.config, max_slots=slots)
+
+    async def _probe_vllm(self, server: _Server) -> None:
+        """Whether `server` has vLLM's dev endpoints (GET /is_paused answers), and the weight
+        version it reports (an int this client set, else unknown: "default" after a start)."""
+        try:
+            paused = await self._client.get(f"{server.root}/is_paused")
+            if paused.status_code != 200:
+                server.vllm = False
+                return
+            info = await self._client.get(f"{server.root}/weight_info")
+        except _RETRYABLE_ERRORS as error:
+            raise _Unreachable(f"GET {server.root}/is_paused: {error}") from error
+        server.vllm, server.version = True, None
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            server.version = int(info.json().get("weight_version"))
 
     async def _pick(self, session: RemoteSession | None) -> _Server:
         """The server for the next attempt, probed and with this request counted in its
@@ -537,18 +586,35 @@ class RemoteEngine:
                              session: RemoteSession | None) -> Completion:
         budget = self._max_retries + len(self._servers) - 1
         failures, waits = 0, 0
+        done: list[Completion] = []  # parts a vLLM weight update aborted, in order
         while True:
             server = None
             try:
                 server = await self._pick(session)
                 try:
-                    body = self.request_body(await self._model_name(server), token_ids, params)
+                    while not server.ready.is_set():  # an update from another thread is on
+                        await asyncio.sleep(0.005)
+                    updates = server.updates
+                    version = self._version_of(server) if server.vllm else None
+                    prompt, part_params = token_ids, params
+                    if done:
+                        prompt, part_params = self._resume_from(token_ids, params, done)
+                        if part_params is None:
+                            return _joined(done, "length")
+                    body = self.request_body(await self._model_name(server), prompt,
+                                             part_params)
                     if session is not None and server.nonstop:
                         body["session_id"] = self._session_key(session)
                     response = await self._once(server, "POST", "/completions", json=body)
                 finally:
                     server.in_flight -= 1
-                return self._completion(response, server)
+                part = self._completion(response, server, version)
+                if (part.finish_reason == "aborted" and server.vllm
+                        and (server.updates != updates or not server.ready.is_set())):
+                    done.append(part)  # aborted by our weight update: go on from its tokens
+                    self._counts["restarted"] += 1
+                    continue
+                return _joined([*done, part], part.finish_reason) if done else part
             except _Unreachable as error:
                 if server is not None and server.up:
                     self._mark_down(server, str(error))
@@ -564,7 +630,24 @@ class RemoteEngine:
                     for s in self._servers:  # try the down ones again
                         s.up = True
 
-    def _completion(self, response: Any, server: _Server) -> Completion:
+    def _version_of(self, server: _Server) -> int:
+        return server.version if server.version is not None else self.policy_version
+
+    def _resume_from(self, token_ids: Sequence[int], params: SamplingParams,
+                     done: list[Completion]) -> tuple[list[int], SamplingParams | None]:
+        """The prompt and params that continue a request from the tokens it has (None: its
+        `max_tokens` or the context is used up)."""
+        prefix = [t for part in done for t in part.tokens]
+        prompt = [*token_ids, *prefix]
+        room = None if self.config.max_len_given is None else self.config.max_len_given - len(
+            prompt)
+        budget = None if params.max_tokens is None else params.max_tokens - len(prefix)
+        if (budget is not None and budget < 1) or (room is not None and room < 1):
+            return prompt, None
+        return prompt, dataclasses.replace(params, max_tokens=budget)
+
+    def _completion(self, response: Any, server: _Server,
+                    version: int | None = None) -> Completion:
         try:
             choice = response["choices"][0]
             logprobs = choice.get("logprobs") or {}
@@ -582,7 +665,7 @@ class RemoteEngine:
                 f"the server returned {len(tokens)} token ids but {len(token_logprobs)} logprobs; "
                 f"it must honour logprobs=0", body=response)
         if versions is None:
-            versions = [self.policy_version] * len(tokens)
+            versions = [self.policy_version if version is None else version] * len(tokens)
         elif len(versions) != len(tokens):
             raise RemoteEngineError(f"policy_versions has {len(versions)} entries for "
                                     f"{len(tokens)} tokens", body=response)
@@ -602,11 +685,15 @@ class RemoteEngine:
         if self._graphdef is None:
             raise EngineError("RemoteEngine.update_weights needs the policy's architecture: "
                               "pass policy=<the trainer's model> to RemoteEngine")
+        for server in self._servers:
+            if server.probed and not (server.nonstop or server.vllm):
+                raise _takes_no_weights(server)
         started = time.perf_counter()
         with perf.span("engine/weight_update", policy_version=int(version)):
             blob = encode_weights(self._graphdef, params, self._rest, self._weight_dtype)
             self._blob, self._blob_version = blob, int(version)
-            targets = [s for s in self._servers if s.up and (s.nonstop or not s.probed)]
+            targets = [s for s in self._servers
+                       if s.up and (s.nonstop or s.vllm or not s.probed)]
             with concurrent.futures.ThreadPoolExecutor(max(len(targets), 1)) as pool:
                 results = list(pool.map(lambda s: self._try_push(s, blob, int(version)),
                                         targets))
@@ -627,7 +714,11 @@ class RemoteEngine:
 
     def _push_one(self, server: _Server, blob: bytes, version: int) -> None:
         """Post `blob` to one server (blocking; shared memory for a server on this host when
-        `weight_transfer` allows). A version the server has passed already is not an error."""
+        `weight_transfer` allows), or have a vLLM server reload it from `weight_dir`. A version
+        the server has passed already is not an error."""
+        if server.vllm:
+            self._reload_vllm(server, blob, version)
+            return
         shm = self._transfer == "shm" or (self._transfer == "auto" and server.loopback)
         url = f"{server.root}/nonstop/weights"
         segment = None
@@ -649,9 +740,12 @@ class RemoteEngine:
                 segment.unlink()
         if response.status_code in _RETRYABLE_STATUS:
             raise _Unreachable(f"POST {url} -> HTTP {response.status_code}")
-        if response.status_code == 404:
-            raise RemoteEngineError(f"{server.root} takes no weights (POST /nonstop/weights -> "
-                                    "404): only nonstop serve does; use it for RL rollouts")
+        if response.status_code == 404:  # not nonstop serve: a vLLM server in dev mode?
+            if self._has_vllm_dev_endpoints(server):
+                server.vllm = True
+                self._reload_vllm(server, blob, version)
+                return
+            raise _takes_no_weights(server)
         if response.status_code == 409:  # it runs a newer version already
             return
         if response.status_code >= 400:
@@ -660,6 +754,91 @@ class RemoteEngine:
                                     status=response.status_code, body=body)
         server.version = version
         server.nonstop = True
+
+    def _has_vllm_dev_endpoints(self, server: _Server) -> bool:
+        url = f"{server.root}/is_paused"
+        try:
+            with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
+                return client.get(url).status_code == 200
+        except _RETRYABLE_ERRORS as error:
+            raise _Unreachable(f"GET {url}: {type(error).__name__}: {error}") from error
+
+    def _weights_file(self, blob: bytes, version: int) -> str:
+        """The directory whose `model.safetensors` holds `blob` (written once per version, and
+        atomically: a server never reads half a file)."""
+        with self._file_lock:
+            if self._weight_dir is None and self._own_weight_dir is None:
+                self._own_weight_dir = tempfile.mkdtemp(prefix="nonstop-weights-")
+            directory = self._weight_dir or self._own_weight_dir
+            assert directory is not None
+            if self._written_version != version:
+                os.makedirs(directory, exist_ok=True)
+                path = os.path.join(directory, "model.safetensors")
+                with open(path + ".tmp", "wb") as file:
+                    file.write(blob)
+                os.replace(path + ".tmp", path)
+                self._written_version = version
+            return directory
+
+    def _reload_vllm(self, server: _Server, blob: bytes, version: int) -> None:
+        """Pause `server` (aborting what runs), reload the weights from `weight_dir`, set the
+        version, resume (blocking). New requests from this client wait meanwhile."""
+        directory = self._weights_file(blob, version)
+        with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
+            server.ready.clear()
+            server.updates += 1
+            try:
+                self._vllm_call(client, server, "/pause", params={"mode": "abort"})
+                self._vllm_call(client, server, "/collective_rpc", json={
+                    "method": "reload_weights", "kwargs": {"weights_path": directory}})
+                # A request sent just before the pause may have been queued (not aborted) by it:
+                # abort it too, so that every request that spans the reload is resubmitted.
+                self._vllm_call(client, server, "/abort_requests", json={})
+                self._vllm_call(client, server, "/update_weight_version",
+                                json={"new_version": str(version)})
+                server.version = version
+            finally:
+                try:
+                    self._vllm_call(client, server, "/resume")
+                finally:
+                    server.ready.set()
+
+    def _vllm_call(self, client: httpx.Client, server: _Server, path: str,
+                   json: dict[str, Any] | None = None,
+                   params: dict[str, str] | None = None) -> None:
+        url = f"{server.root}{path}"
+        try:
+            response = client.post(url, json=json, params=params)
+        except _RETRYABLE_ERRORS as error:
+            raise _Unreachable(f"POST {url}: {type(error).__name__}: {error}") from error
+        if response.status_code in _RETRYABLE_STATUS:
+            raise _Unreachable(f"POST {url} -> HTTP {response.status_code}")
+        if response.status_code == 404:
+            raise RemoteEngineError(f"{server.root} has no POST {path} (HTTP 404): start vllm "
+                                    "serve with VLLM_SERVER_DEV_MODE=1 to update its weights",
+                                    status=404)
+        if response.status_code >= 400:
+            message, body = _error_message(response)
+            hint = (f" (weight_dir {self._weight_dir or self._own_weight_dir!r} must be readable "
+                    "by the server at that path)") if path == "/collective_rpc" else ""
+            raise RemoteEngineError(f"POST {url} -> HTTP {response.status_code}: {message}{hint}",
+                                    status=response.status_code, body=body)
+
+
+def _takes_no_weights(server: _Server) -> RemoteEngineError:
+    return RemoteEngineError(
+        f"{server.root} takes no weights: neither nonstop serve's POST /nonstop/weights nor "
+        "vLLM's GET /is_paused answers (404); for vLLM, start vllm serve with "
+        "VLLM_SERVER_DEV_MODE=1 (its weight-update endpoints), else use nonstop serve")
+
+
+def _joined(parts: list[Completion], finish: str) -> Completion:
+    """One completion of a request's parts (each a continuation of the ones before)."""
+    last = parts[-1]
+    return Completion(tokens=[t for p in parts for t in p.tokens],
+                      logprobs=[x for p in parts for x in p.logprobs],
+                      policy_versions=[v for p in parts for v in p.policy_versions],
+                      finish_reason=finish, stop_reason=last.stop_reason)
 
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteLimits", "RemoteRequestError",
