@@ -44,6 +44,7 @@ from nonstop.agentic.ray_backend import (
 from nonstop.agentic.sandbox import Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
 from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes, PromptInteraction
 from nonstop.agentic.streaming import (
+    EpisodesFailingError,
     NoSamplesError,
     NoVarianceError,
     StalenessGate,
@@ -79,6 +80,7 @@ __all__ = [
     "StreamingLearner",
     "ExampleStream",
     "NoVarianceError",
+    "EpisodesFailingError",
     "PromptEpisodes",
     "PromptInteraction",
     "SyncLearner",

@@ -71,9 +71,10 @@ class Agent:
         info: dict[str, Any] = {"turns": 0, "turn_log": [], "status": "error", "seed": seed,
                                 "generate_s": 0.0, "env_s": 0.0, "started_at": started}
         trajectory: Trajectory | None = None
-        session = self.engine.session()
+        session = None
         timeout = self.config.episode_timeout_s
         try:
+            session = self.engine.session()
             async with asyncio.timeout(timeout):
                 with perf.span(perf.ROLLOUT_ENV, stage="start", episode=episode_id):
                     opening = await interaction.start()
@@ -87,7 +88,8 @@ class Agent:
         except Exception as error:  # noqa: BLE001 - isolated to this episode and recorded
             info["status"], info["error"] = "error", f"{type(error).__name__}: {error}"
         finally:
-            session.close()
+            if session is not None:
+                session.close()
         if trajectory is None:
             trajectory = _opening([], group_id, episode_id)
         reward = 0.0

@@ -136,6 +136,10 @@ class StreamingLearnerConfig:
     max_dropped_groups_per_step: groups the queue may drop (flat rewards under dynamic sampling,
     failed episodes) while one step collects its groups; more stops the run with
     `NoVarianceError`. None: no bound (the learner keeps drawing groups).
+    max_failed_groups_in_a_row: groups dropped one after another because an episode of each
+    failed (the engine, a tool or the reward raised), with no sound group between them, before
+    the run stops with `EpisodesFailingError` quoting the last error (a dead rollout engine
+    fails every episode at once). None: no bound.
     """
 
     groups_per_step: int = 4
@@ -143,6 +147,7 @@ class StreamingLearnerConfig:
     sync_every: int = 1
     queue_capacity: int | None = None
     max_dropped_groups_per_step: int | None = None
+    max_failed_groups_in_a_row: int | None = 32
     orchestrator: OrchestratorConfig = OrchestratorConfig()
 
     def __post_init__(self) -> None:
@@ -161,6 +166,9 @@ class StreamingLearnerConfig:
         _check(self.max_dropped_groups_per_step is None or self.max_dropped_groups_per_step >= 0,
                owner, "max_dropped_groups_per_step", self.max_dropped_groups_per_step,
                "None or an int >= 0")
+        _check(self.max_failed_groups_in_a_row is None or self.max_failed_groups_in_a_row >= 1,
+               owner, "max_failed_groups_in_a_row", self.max_failed_groups_in_a_row,
+               "None or an int >= 1")
 
     def queue_config(self, algorithm: RLAlgorithmConfig) -> GroupQueueConfig:
         capacity = self.queue_capacity or (self.max_staleness + 1) * self.groups_per_step

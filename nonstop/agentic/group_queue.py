@@ -92,6 +92,8 @@ class GroupQueue:
         self.delivered = 0  # groups handed to the consumer
         self.max_ready = 0  # the most ready groups ever held at once
         self.put_wait_s = 0.0  # producer time spent waiting for room
+        self.failed_in_a_row = 0  # groups dropped for a failed episode since the last sound one
+        self.last_error: str | None = None  # the latest failed episode's info["error"]
 
     # ---------------------------------------------------------------- producer side
 
@@ -107,8 +109,11 @@ class GroupQueue:
         members.sort(key=lambda t: t.episode_id)
         failed = [t for t in members if t.info.get("status") == "error"]
         if failed:
+            self.failed_in_a_row += 1
+            self.last_error = str(failed[-1].info.get("error", "no error recorded"))
             self._drop(gid, "episode_failed")
             return
+        self.failed_in_a_row = 0
         rewards = np.asarray([t.reward for t in members], np.float32)
         lengths = np.asarray([t.num_sampled for t in members], np.float32)
         loop = asyncio.get_running_loop()

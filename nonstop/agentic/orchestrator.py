@@ -139,6 +139,9 @@ class RolloutOrchestrator:
                     await self.admission.admit(gid)
                 for i in range(self.config.group_size):
                     started.append(await self._start(self.spec(gid, i), deliver=True))
+                for t in started:
+                    if t.done():
+                        t.result()  # an episode that raised (not one that failed) stops the run
                 started = [t for t in started if not t.done()]
             if started:
                 await asyncio.gather(*started)

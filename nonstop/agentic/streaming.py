@@ -149,6 +149,11 @@ class NoVarianceError(RuntimeError):
     its groups than `StreamingLearnerConfig.max_dropped_groups_per_step` allows."""
 
 
+class EpisodesFailingError(RuntimeError):
+    """More groups in a row than `StreamingLearnerConfig.max_failed_groups_in_a_row` had a
+    failed episode: the engine, the environment or the reward fails every episode."""
+
+
 def no_samples_cause(step: int, trajectories: list[Trajectory]) -> str:
     """Why a step has nothing to train on: its episodes' outcomes and prompt lengths."""
     outcomes = collections.Counter(str(t.info.get("status", "unknown")) for t in trajectories)
@@ -312,6 +317,13 @@ class _Learner:
 
     def _check_drops(self, queue: GroupQueue, collected: int) -> None:
         """Stop if this step's collection saw more drops than `max_dropped_groups_per_step`."""
+        in_a_row = self.config.max_failed_groups_in_a_row
+        if in_a_row is not None and queue.failed_in_a_row >= in_a_row:
+            raise EpisodesFailingError(
+                f"step {self.version}: the last {queue.failed_in_a_row} groups each had a failed "
+                f"episode (max_failed_groups_in_a_row={in_a_row}); the latest error: "
+                f"{queue.last_error}. Fix its cause (a dead rollout engine or server, a tool or "
+                "reward that always raises) and resume the run")
         bound = self.config.max_dropped_groups_per_step
         dropped = sum(queue.dropped.values()) - self._drops_seen
         if bound is not None and dropped > bound:

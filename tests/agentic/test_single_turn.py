@@ -17,7 +17,12 @@ from flax import nnx
 from nonstop.agentic.config import AgentConfig, OrchestratorConfig, StreamingLearnerConfig
 from nonstop.agentic.orchestrator import EpisodeSpec, RolloutOrchestrator
 from nonstop.agentic.single_turn import ExampleStream, PromptEpisodes
-from nonstop.agentic.streaming import NoVarianceError, StreamingLearner, SyncLearner
+from nonstop.agentic.streaming import (
+    EpisodesFailingError,
+    NoVarianceError,
+    StreamingLearner,
+    SyncLearner,
+)
 from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
 from nonstop.models.char_tokenizer import char_tokenizer
@@ -171,6 +176,22 @@ def test_too_many_dropped_groups_stop_the_run(model, engine):
         with pytest.raises(NoVarianceError, match=r"dropped [45] groups.*episode_failed x[45]"):
             asyncio.run(asyncio.wait_for(learner.run(1), timeout=120))
         assert learner.records == []
+
+
+def test_a_dead_engine_stops_the_run_with_its_error(model):
+    """Every episode fails when the engine is gone: after max_failed_groups_in_a_row groups in
+    a row the learner stops, quoting the engine's error, instead of drawing groups forever."""
+    with Engine(model, EngineConfig(max_slots=8, max_len=32, prefill_chunks=(8, 32))) as dead:
+        pass  # started, then stopped: every request now raises EngineError
+    trainer = _trainer(model, RLAlgorithmConfig.grpo())
+    for cls in (StreamingLearner, SyncLearner):
+        learner = cls(trainer, dead, _episodes(), _config(max_failed_groups_in_a_row=5))
+        with pytest.raises(EpisodesFailingError,
+                           match=r"last \d+ groups each had a failed episode.*=5\).*EngineError: the engine is stopped"):
+            asyncio.run(asyncio.wait_for(learner.run(1), timeout=120))
+        assert learner.records == [] and learner.queue.failed_in_a_row >= 5
+    with pytest.raises(ValueError, match="max_failed_groups_in_a_row"):
+        _config(max_failed_groups_in_a_row=0)
 
 
 def test_an_episode_is_the_prompt_then_one_turn():
