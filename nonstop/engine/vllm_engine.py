@@ -319,7 +319,15 @@ class VLLMEngine:
         hf = self.model_config.to_hf()
         hf["dtype"] = str(self._dtype)
         (Path(self._workdir.name) / "config.json").write_text(json.dumps(hf))
+        from vllm.platforms import current_platform
+
         c = self.config
+        # vLLM's CPU build fails a chunked prefill of a seeded request (every request here has a
+        # seed): the worker rewinds its torch.Generator by the discarded sample's offset, and
+        # "CPU Generator does not use offset" kills the engine core. Prefills are whole there.
+        chunked = not current_platform.is_cpu()
+        batch = {} if chunked else dict(
+            max_num_batched_tokens=max(c.max_len, min(4096, c.max_slots * c.max_len)))
         args = AsyncEngineArgs(
             model=self._workdir.name,
             dtype=str(self._dtype),
@@ -335,6 +343,8 @@ class VLLMEngine:
             block_size=c.block_size,
             kv_cache_memory_bytes=int(c.kv_cache_gib * 1024**3),
             worker_extension_cls=f"{__name__}.WorkerExtension",
+            enable_chunked_prefill=chunked,
+            **batch,
         )
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
 
