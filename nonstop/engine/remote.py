@@ -58,83 +58,36 @@ import dataclasses
 import itertools
 import logging
 import os
-import shutil
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from multiprocessing import shared_memory
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 import numpy as np
 from flax import nnx
 
 from nonstop import perf
+from nonstop.engine.remote_http import (
+    RETRYABLE_ERRORS,
+    RETRYABLE_STATUS,
+    RemoteEngineError,
+    RemoteRequestError,
+    Server,
+    Unreachable,
+    api_root,
+    completion_request,
+    error_message,
+    joined,
+    parse_completion,
+)
+from nonstop.engine.remote_weights import WeightPusher, WeightTransfer, takes_no_weights
 from nonstop.engine.sampling import SamplingParams
-from nonstop.engine.types import FINISH_REASONS, Completion, EngineError, RequestError
+from nonstop.engine.types import Completion, EngineError, RequestError
 from nonstop.engine.weight_transfer import encode_weights
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE_STATUS = (502, 503, 504)
-_RETRYABLE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                     httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "aborted"}
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
-WeightTransfer = Literal["auto", "http", "shm"]
-
-
-class RemoteEngineError(RuntimeError):
-    """The server failed, could not be reached, or answered with something unusable."""
-
-    def __init__(self, message: str, *, status: int | None = None, body: Any = None):
-        super().__init__(message)
-        self.status = status
-        self.body = body
-
-
-class RemoteRequestError(RemoteEngineError, RequestError):
-    """The server refused the request (HTTP 4xx): the request is at fault, retrying won't help."""
-
-
-class _Unreachable(Exception):
-    """One attempt on one server failed in a way another attempt (or server) may not."""
-
-
-def _api_root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root if root.endswith("/v1") else root + "/v1"
-
-
-def _error_message(response: httpx.Response) -> tuple[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500], response.text
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict) and "message" in error:
-        return str(error["message"]), body
-    if isinstance(body, dict) and "message" in body:  # some servers use a flat body
-        return str(body["message"]), body
-    return str(body)[:500], body
-
-
-def _sampled_ids(choice: dict[str, Any], logprobs: dict[str, Any]) -> list[int]:
-    if isinstance(choice.get("token_ids"), list):
-        return [int(t) for t in choice["token_ids"]]
-    tokens = logprobs.get("tokens") or []
-    ids = []
-    for token in tokens:
-        if not (isinstance(token, str) and token.startswith("token_id:")):
-            raise RemoteEngineError(
-                "the server returned neither choices[].token_ids nor logprobs tokens spelled "
-                "'token_id:{id}'; it must support vLLM's return_token_ids or "
-                f"return_tokens_as_token_ids (got token {token!r})", body=choice)
-        ids.append(int(token.removeprefix("token_id:")))
-    return ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,35 +124,6 @@ class RemoteStats:
     weight_updates: int
     weight_sync_s: float  # seconds spent in update_weights and late-join pushes
     restarted: int  # requests a vLLM server aborted for weights, resubmitted with their prefix
-
-
-@dataclasses.dataclass(eq=False)
-class _Server:
-    """One server as this client knows it."""
-
-    api: str  # ".../v1"
-    root: str  # the server's root, where nonstop serve's /nonstop routes live
-    up: bool = True
-    down_since: float = 0.0  # time.monotonic() when last marked down
-    probed: bool = False  # its kind, limits and version are known (reset when it goes down)
-    nonstop: bool = False  # a nonstop serve (sessions, weights, versions)
-    model: str | None = None
-    max_slots: int = 1
-    max_len: int | None = None
-    version: int | None = None  # the weights' version it runs, as last known
-    vllm: bool = False  # a vLLM server with its dev endpoints (VLLM_SERVER_DEV_MODE=1)
-    updates: int = 0  # weight updates begun on it (a vLLM request that spans one was aborted)
-    ready: threading.Event = dataclasses.field(default_factory=threading.Event)  # not updating
-    in_flight: int = 0
-    picks: int = 0  # requests sent to it (ties go to the least used)
-    lock: asyncio.Lock | None = None
-
-    def __post_init__(self) -> None:
-        self.ready.set()
-
-    @property
-    def loopback(self) -> bool:
-        return urlsplit(self.root).hostname in _LOOPBACK
 
 
 class RemoteSession:
@@ -269,7 +193,7 @@ class RemoteEngine:
         if weight_transfer not in ("auto", "http", "shm"):
             raise ValueError(f"weight_transfer must be 'auto', 'http' or 'shm', got "
                              f"{weight_transfer!r}")
-        self._servers = [_Server(api=_api_root(u), root=_api_root(u).removesuffix("/v1"))
+        self._servers = [Server(api=api_root(u), root=api_root(u).removesuffix("/v1"))
                          for u in urls]
         self.base_url = self._servers[0].api
         self.model = model
@@ -286,7 +210,7 @@ class RemoteEngine:
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._client_id = uuid.uuid4().hex[:12]
         self._session_ids = itertools.count()
-        self._pinned: dict[int, _Server] = {}
+        self._pinned: dict[int, Server] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._counts = dict(generated_tokens=0, completed=0, failed=0, rerouted=0,
                             server_failures=0, weight_updates=0, restarted=0)
@@ -294,16 +218,12 @@ class RemoteEngine:
         self._in_flight = 0
         self._busy_since = 0
         self._weight_dtype = np.dtype(weight_dtype)
-        self._transfer = weight_transfer
+        self._pusher = WeightPusher(self._headers, self._timeout, weight_transfer, weight_dir)
         self._graphdef = self._rest = None
         if policy is not None:
             self._graphdef, _, self._rest = nnx.split(policy, nnx.Param, ...)
         self._blob: bytes | None = None  # the last weights published, for late joiners
         self._blob_version = policy_version
-        self._weight_dir = None if weight_dir is None else os.fspath(weight_dir)
-        self._own_weight_dir: str | None = None  # the temporary one, removed by close()
-        self._written_version: int | None = None  # the version in weight_dir's file
-        self._file_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -345,9 +265,7 @@ class RemoteEngine:
     def close(self) -> None:
         """Close the HTTP clients of loops that have ended (a running loop's client is closed
         by `aclose`, or when its loop ends); remove the temporary weight directory."""
-        if self._own_weight_dir is not None:
-            shutil.rmtree(self._own_weight_dir, ignore_errors=True)
-            self._own_weight_dir = self._written_version = None
+        self._pusher.close()
         for loop in list(self._clients):
             if not loop.is_running():
                 client = self._clients.pop(loop)
@@ -373,7 +291,7 @@ class RemoteEngine:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    async def _close_session(self, server: _Server, key: str) -> None:
+    async def _close_session(self, server: Server, key: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self._client.delete(f"{server.root}/nonstop/sessions/{key}")
 
@@ -393,24 +311,24 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- HTTP
 
-    async def _once(self, server: _Server, method: str, path: str,
+    async def _once(self, server: Server, method: str, path: str,
                     json: dict[str, Any] | None = None) -> Any:
-        """One attempt; `_Unreachable` where another attempt may succeed."""
+        """One attempt; `Unreachable` where another attempt may succeed."""
         url = f"{server.api}{path}"
         try:
             response = await self._client.request(method, url, json=json)
-        except _RETRYABLE_ERRORS as error:
-            raise _Unreachable(f"{method} {url}: {type(error).__name__}: {error}") from error
+        except RETRYABLE_ERRORS as error:
+            raise Unreachable(f"{method} {url}: {type(error).__name__}: {error}") from error
         if response.status_code < 400:
             try:
                 return response.json()
             except ValueError as error:
                 raise RemoteEngineError(f"{method} {url}: the response is not JSON: "
                                         f"{response.text[:200]!r}") from error
-        message, body = _error_message(response)
+        message, body = error_message(response)
         text = f"{method} {url} -> HTTP {response.status_code}: {message}"
-        if response.status_code in _RETRYABLE_STATUS:
-            raise _Unreachable(text)
+        if response.status_code in RETRYABLE_STATUS:
+            raise Unreachable(text)
         if 400 <= response.status_code < 500:
             raise RemoteRequestError(text, status=response.status_code, body=body)
         raise RemoteEngineError(text, status=response.status_code, body=body)
@@ -420,7 +338,7 @@ class RemoteEngine:
         body = await self._once(self._servers[0], "GET", "/models")
         return [entry["id"] for entry in body.get("data", [])]
 
-    def _mark_down(self, server: _Server, why: str) -> None:
+    def _mark_down(self, server: Server, why: str) -> None:
         if server.up:
             log.warning("rollout server %s is down (%s); using the others", server.root, why)
             self._counts["server_failures"] += 1
@@ -430,9 +348,9 @@ class RemoteEngine:
         for sid in [sid for sid, s in list(self._pinned.items()) if s is server]:
             self._pinned.pop(sid)  # its sessions move with their next turn
 
-    async def _probe(self, server: _Server) -> None:
+    async def _probe(self, server: Server) -> None:
         """Learn the server's kind, limits and version; bring a nonstop server's weights up to
-        date (a late joiner, or one back after a restart). `_Unreachable` if it does not
+        date (a late joiner, or one back after a restart). `Unreachable` if it does not
         answer."""
         if server.lock is None:
             server.lock = asyncio.Lock()
@@ -441,10 +359,10 @@ class RemoteEngine:
                 return
             try:
                 response = await self._client.get(f"{server.root}/nonstop/state")
-            except _RETRYABLE_ERRORS as error:
-                raise _Unreachable(f"GET {server.root}/nonstop/state: {error}") from error
-            if response.status_code in _RETRYABLE_STATUS:
-                raise _Unreachable(f"GET {server.root}/nonstop/state -> {response.status_code}")
+            except RETRYABLE_ERRORS as error:
+                raise Unreachable(f"GET {server.root}/nonstop/state: {error}") from error
+            if response.status_code in RETRYABLE_STATUS:
+                raise Unreachable(f"GET {server.root}/nonstop/state -> {response.status_code}")
             if response.status_code == 200:
                 state = response.json()
                 server.nonstop = True
@@ -453,7 +371,7 @@ class RemoteEngine:
                 server.max_len = state.get("max_len")
                 server.version = int(state.get("policy_version", 0))
             elif response.status_code in (401, 403):
-                message, body = _error_message(response)
+                message, body = error_message(response)
                 raise RemoteRequestError(f"{server.root}: {message}", status=response.status_code,
                                          body=body)
             else:  # vLLM (weights through its dev endpoints, if on), SGLang: generation only
@@ -468,14 +386,14 @@ class RemoteEngine:
             if ((server.nonstop or server.vllm) and self._blob is not None
                     and server.version != self._blob_version):
                 started = time.perf_counter()
-                await asyncio.to_thread(self._push_one, server, self._blob, self._blob_version)
+                await asyncio.to_thread(self._pusher.push, server, self._blob, self._blob_version)
                 self._sync_s += time.perf_counter() - started
             server.probed = True
             if self._max_slots_given is None:
                 slots = sum(s.max_slots for s in self._servers)
                 self.config = dataclasses.replace(self.config, max_slots=slots)
 
-    async def _probe_vllm(self, server: _Server) -> None:
+    async def _probe_vllm(self, server: Server) -> None:
         """Whether `server` has vLLM's dev endpoints (GET /is_paused answers), and the weight
         version it reports (an int this client set, else unknown: "default" after a start)."""
         try:
@@ -484,15 +402,15 @@ class RemoteEngine:
                 server.vllm = False
                 return
             info = await self._client.get(f"{server.root}/weight_info")
-        except _RETRYABLE_ERRORS as error:
-            raise _Unreachable(f"GET {server.root}/is_paused: {error}") from error
+        except RETRYABLE_ERRORS as error:
+            raise Unreachable(f"GET {server.root}/is_paused: {error}") from error
         server.vllm, server.version = True, None
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             server.version = int(info.json().get("weight_version"))
 
-    async def _pick(self, session: RemoteSession | None) -> _Server:
+    async def _pick(self, session: RemoteSession | None) -> Server:
         """The server for the next attempt, probed and with this request counted in its
-        `in_flight` (the caller releases it), or `_Unreachable` when none is up."""
+        `in_flight` (the caller releases it), or `Unreachable` when none is up."""
         if session is not None:
             pinned = self._pinned.get(session.id)
             if pinned is not None and pinned.up:
@@ -504,7 +422,7 @@ class RemoteEngine:
                 s.up = True
         live = [s for s in self._servers if s.up]
         if not live:
-            raise _Unreachable("no rollout server is up")
+            raise Unreachable("no rollout server is up")
         server = min(live, key=lambda s: (s.in_flight / max(s.max_slots, 1), s.in_flight,
                                           s.picks))
         server.in_flight += 1
@@ -514,7 +432,7 @@ class RemoteEngine:
                 await self._probe(server)
             except BaseException as error:
                 server.in_flight -= 1
-                if isinstance(error, _Unreachable):
+                if isinstance(error, Unreachable):
                     self._mark_down(server, str(error))
                 raise
         if session is not None:
@@ -523,32 +441,7 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- generate
 
-    def request_body(self, model: str, token_ids: Sequence[int], params: SamplingParams
-                     ) -> dict[str, Any]:
-        """The /v1/completions JSON this engine sends for one generation."""
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": [int(t) for t in token_ids],
-            "max_tokens": params.max_tokens,  # null: until a stop or the context's end
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1,
-            "stop_token_ids": [int(t) for t in params.stop_token_ids],
-            "ignore_eos": True,
-            "skip_special_tokens": False,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "n": 1,
-            "stream": False,
-        }
-        if params.stop:
-            body["stop"] = list(params.stop)
-        if params.seed is not None:
-            body["seed"] = params.seed
-        return body
-
-    async def _model_name(self, server: _Server) -> str:
+    async def _model_name(self, server: Server) -> str:
         if self.model is not None:
             return self.model
         if server.model is None:
@@ -600,22 +493,23 @@ class RemoteEngine:
                     if done:
                         prompt, part_params = self._resume_from(token_ids, params, done)
                         if part_params is None:
-                            return _joined(done, "length")
-                    body = self.request_body(await self._model_name(server), prompt,
-                                             part_params)
+                            return joined(done, "length")
+                    body = completion_request(await self._model_name(server), prompt,
+                                              part_params)
                     if session is not None and server.nonstop:
                         body["session_id"] = self._session_key(session)
                     response = await self._once(server, "POST", "/completions", json=body)
                 finally:
                     server.in_flight -= 1
-                part = self._completion(response, server, version)
+                part = parse_completion(
+                    response, server, self.policy_version if version is None else version)
                 if (part.finish_reason == "aborted" and server.vllm
                         and (server.updates != updates or not server.ready.is_set())):
                     done.append(part)  # aborted by our weight update: go on from its tokens
                     self._counts["restarted"] += 1
                     continue
-                return _joined([*done, part], part.finish_reason) if done else part
-            except _Unreachable as error:
+                return joined([*done, part], part.finish_reason) if done else part
+            except Unreachable as error:
                 if server is not None and server.up:
                     self._mark_down(server, str(error))
                 failures += 1
@@ -630,7 +524,7 @@ class RemoteEngine:
                     for s in self._servers:  # try the down ones again
                         s.up = True
 
-    def _version_of(self, server: _Server) -> int:
+    def _version_of(self, server: Server) -> int:
         return server.version if server.version is not None else self.policy_version
 
     def _resume_from(self, token_ids: Sequence[int], params: SamplingParams,
@@ -646,37 +540,6 @@ class RemoteEngine:
             return prompt, None
         return prompt, dataclasses.replace(params, max_tokens=budget)
 
-    def _completion(self, response: Any, server: _Server,
-                    version: int | None = None) -> Completion:
-        try:
-            choice = response["choices"][0]
-            logprobs = choice.get("logprobs") or {}
-            tokens = _sampled_ids(choice, logprobs)
-            token_logprobs = [float(x) for x in logprobs.get("token_logprobs") or []]
-            finish = choice.get("engine_finish_reason") or _FINISH_REASONS.get(
-                choice.get("finish_reason"), "stop")
-            versions = choice.get("policy_versions")
-            stop_reason = choice.get("stop_reason")
-        except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise RemoteEngineError(f"malformed completion response: {error!r}",
-                                    body=response) from error
-        if len(token_logprobs) != len(tokens):
-            raise RemoteEngineError(
-                f"the server returned {len(tokens)} token ids but {len(token_logprobs)} logprobs; "
-                f"it must honour logprobs=0", body=response)
-        if versions is None:
-            versions = [self.policy_version if version is None else version] * len(tokens)
-        elif len(versions) != len(tokens):
-            raise RemoteEngineError(f"policy_versions has {len(versions)} entries for "
-                                    f"{len(tokens)} tokens", body=response)
-        elif versions:
-            server.version = max(server.version or 0, max(int(v) for v in versions))
-        if finish not in FINISH_REASONS:
-            raise RemoteEngineError(f"unknown finish reason {finish!r}", body=response)
-        return Completion(tokens=tokens, logprobs=token_logprobs, finish_reason=finish,
-                          policy_versions=versions,
-                          stop_reason=stop_reason if isinstance(stop_reason, int | str) else None)
-
     # ---------------------------------------------------------------- weights
 
     def update_weights(self, params: nnx.State, version: int) -> None:
@@ -687,7 +550,7 @@ class RemoteEngine:
                               "pass policy=<the trainer's model> to RemoteEngine")
         for server in self._servers:
             if server.probed and not (server.nonstop or server.vllm):
-                raise _takes_no_weights(server)
+                raise takes_no_weights(server)
         started = time.perf_counter()
         with perf.span("engine/weight_update", policy_version=int(version)):
             blob = encode_weights(self._graphdef, params, self._rest, self._weight_dtype)
@@ -704,142 +567,13 @@ class RemoteEngine:
         self._counts["weight_updates"] += 1
         self._sync_s += time.perf_counter() - started
 
-    def _try_push(self, server: _Server, blob: bytes, version: int) -> bool:
+    def _try_push(self, server: Server, blob: bytes, version: int) -> bool:
         try:
-            self._push_one(server, blob, version)
+            self._pusher.push(server, blob, version)
             return True
-        except _Unreachable as error:
+        except Unreachable as error:
             self._mark_down(server, str(error))
             return False
-
-    def _push_one(self, server: _Server, blob: bytes, version: int) -> None:
-        """Post `blob` to one server (blocking; shared memory for a server on this host when
-        `weight_transfer` allows), or have a vLLM server reload it from `weight_dir`. A version
-        the server has passed already is not an error."""
-        if server.vllm:
-            self._reload_vllm(server, blob, version)
-            return
-        shm = self._transfer == "shm" or (self._transfer == "auto" and server.loopback)
-        url = f"{server.root}/nonstop/weights"
-        segment = None
-        try:
-            with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
-                if shm:
-                    segment = shared_memory.SharedMemory(create=True, size=max(len(blob), 1))
-                    segment.buf[:len(blob)] = blob
-                    response = client.post(url, json={"version": version, "shm": segment.name,
-                                                      "nbytes": len(blob)})
-                else:
-                    response = client.post(url, params={"version": version}, content=blob,
-                                           headers={"Content-Type": "application/octet-stream"})
-        except _RETRYABLE_ERRORS as error:
-            raise _Unreachable(f"POST {url}: {type(error).__name__}: {error}") from error
-        finally:
-            if segment is not None:
-                segment.close()
-                segment.unlink()
-        if response.status_code in _RETRYABLE_STATUS:
-            raise _Unreachable(f"POST {url} -> HTTP {response.status_code}")
-        if response.status_code == 404:  # not nonstop serve: a vLLM server in dev mode?
-            if self._has_vllm_dev_endpoints(server):
-                server.vllm = True
-                self._reload_vllm(server, blob, version)
-                return
-            raise _takes_no_weights(server)
-        if response.status_code == 409:  # it runs a newer version already
-            return
-        if response.status_code >= 400:
-            message, body = _error_message(response)
-            raise RemoteEngineError(f"POST {url} -> HTTP {response.status_code}: {message}",
-                                    status=response.status_code, body=body)
-        server.version = version
-        server.nonstop = True
-
-    def _has_vllm_dev_endpoints(self, server: _Server) -> bool:
-        url = f"{server.root}/is_paused"
-        try:
-            with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
-                return client.get(url).status_code == 200
-        except _RETRYABLE_ERRORS as error:
-            raise _Unreachable(f"GET {url}: {type(error).__name__}: {error}") from error
-
-    def _weights_file(self, blob: bytes, version: int) -> str:
-        """The directory whose `model.safetensors` holds `blob` (written once per version, and
-        atomically: a server never reads half a file)."""
-        with self._file_lock:
-            if self._weight_dir is None and self._own_weight_dir is None:
-                self._own_weight_dir = tempfile.mkdtemp(prefix="nonstop-weights-")
-            directory = self._weight_dir or self._own_weight_dir
-            assert directory is not None
-            if self._written_version != version:
-                os.makedirs(directory, exist_ok=True)
-                path = os.path.join(directory, "model.safetensors")
-                with open(path + ".tmp", "wb") as file:
-                    file.write(blob)
-                os.replace(path + ".tmp", path)
-                self._written_version = version
-            return directory
-
-    def _reload_vllm(self, server: _Server, blob: bytes, version: int) -> None:
-        """Pause `server` (aborting what runs), reload the weights from `weight_dir`, set the
-        version, resume (blocking). New requests from this client wait meanwhile."""
-        directory = self._weights_file(blob, version)
-        with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
-            server.ready.clear()
-            server.updates += 1
-            try:
-                self._vllm_call(client, server, "/pause", params={"mode": "abort"})
-                self._vllm_call(client, server, "/collective_rpc", json={
-                    "method": "reload_weights", "kwargs": {"weights_path": directory}})
-                # A request sent just before the pause may have been queued (not aborted) by it:
-                # abort it too, so that every request that spans the reload is resubmitted.
-                self._vllm_call(client, server, "/abort_requests", json={})
-                self._vllm_call(client, server, "/update_weight_version",
-                                json={"new_version": str(version)})
-                server.version = version
-            finally:
-                try:
-                    self._vllm_call(client, server, "/resume")
-                finally:
-                    server.ready.set()
-
-    def _vllm_call(self, client: httpx.Client, server: _Server, path: str,
-                   json: dict[str, Any] | None = None,
-                   params: dict[str, str] | None = None) -> None:
-        url = f"{server.root}{path}"
-        try:
-            response = client.post(url, json=json, params=params)
-        except _RETRYABLE_ERRORS as error:
-            raise _Unreachable(f"POST {url}: {type(error).__name__}: {error}") from error
-        if response.status_code in _RETRYABLE_STATUS:
-            raise _Unreachable(f"POST {url} -> HTTP {response.status_code}")
-        if response.status_code == 404:
-            raise RemoteEngineError(f"{server.root} has no POST {path} (HTTP 404): start vllm "
-                                    "serve with VLLM_SERVER_DEV_MODE=1 to update its weights",
-                                    status=404)
-        if response.status_code >= 400:
-            message, body = _error_message(response)
-            hint = (f" (weight_dir {self._weight_dir or self._own_weight_dir!r} must be readable "
-                    "by the server at that path)") if path == "/collective_rpc" else ""
-            raise RemoteEngineError(f"POST {url} -> HTTP {response.status_code}: {message}{hint}",
-                                    status=response.status_code, body=body)
-
-
-def _takes_no_weights(server: _Server) -> RemoteEngineError:
-    return RemoteEngineError(
-        f"{server.root} takes no weights: neither nonstop serve's POST /nonstop/weights nor "
-        "vLLM's GET /is_paused answers (404); for vLLM, start vllm serve with "
-        "VLLM_SERVER_DEV_MODE=1 (its weight-update endpoints), else use nonstop serve")
-
-
-def _joined(parts: list[Completion], finish: str) -> Completion:
-    """One completion of a request's parts (each a continuation of the ones before)."""
-    last = parts[-1]
-    return Completion(tokens=[t for p in parts for t in p.tokens],
-                      logprobs=[x for p in parts for x in p.logprobs],
-                      policy_versions=[v for p in parts for v in p.policy_versions],
-                      finish_reason=finish, stop_reason=last.stop_reason)
-
 
 __all__ = ["RemoteEngine", "RemoteEngineError", "RemoteLimits", "RemoteRequestError",
            "RemoteSession", "RemoteStats", "WeightTransfer"]
