@@ -27,7 +27,7 @@ doing the batching, paging and kernels:
   (`merge_lora`), and each tensor is converted to its Hugging Face name and layout with the
   table the checkpoint exporter uses (`models.hf_weights.weight_specs`). The host arrays go to
   vLLM's worker processes as raw bytes over its collective RPC, in chunks of
-  `weight_chunk_mib`; once all have arrived the worker reloads them in place
+  `weight_chunk_mib` (`vllm_weights.py`); once all have arrived the worker reloads them in place
   (`reload_weights`, which re-runs vLLM's post-load processing, e.g. the CPU GEMM prepacking)
   and the prefix cache is reset, so no request reads KV computed with older weights. No file
   is written. The engine starts from dummy weights and receives the model's this same way.
@@ -59,10 +59,9 @@ import random
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
@@ -73,151 +72,17 @@ from nonstop.engine.engine import StreamChunk, _prompt_list
 from nonstop.engine.requests import Detokenizer
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
 from nonstop.engine.types import Completion, EngineError, FinishReason, RequestError
-from nonstop.engine.weight_transfer import hf_weights
+from nonstop.engine.vllm_types import VLLMEngineConfig, VLLMEngineStats, VLLMSession
+from nonstop.engine.vllm_weights import (
+    WORKER_EXTENSION_CLS,
+    WeightChunk,
+    send_weights,
+    weight_chunks,
+)
+from nonstop.engine.weight_transfer import hf_weights  # re-exported: tests and bench import it here
 from nonstop.models import Decoder
-from nonstop.models.validation import check, check_choice, check_int
 
-VLLMDtype = Literal["float32", "bfloat16", "float16"]
 _MiB = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VLLMEngineConfig:
-    """How big the vLLM engine is and how it runs.
-
-    max_slots: sequences decoded together (vLLM's max_num_seqs). max_len: prompt plus
-    completion per request (max_model_len). dtype: the weights' and activations' dtype in vLLM
-    (None: the model's parameter dtype). kv_cache_gib: memory for the KV cache (vLLM's
-    kv_cache_memory_bytes). block_size: tokens per KV block, the prefix cache's granularity
-    (vLLM's CPU attention needs a multiple of 32; None: vLLM's default for the platform). on_weight_update: only "abort" (see the module docstring).
-    enforce_eager: no torch.compile or CUDA graphs (a much faster start; slower steps).
-    seed: the stream of seeds for requests that bring none. weight_chunk_mib: the largest
-    message of a weight update. startup_timeout_s: how long `start()` waits for vLLM.
-    """
-
-    max_slots: int = 8
-    max_len: int = 1024
-    dtype: VLLMDtype | None = None
-    kv_cache_gib: float = 1.0
-    block_size: int | None = 32
-    on_weight_update: Literal["abort"] = "abort"
-    enforce_eager: bool = True
-    seed: int = 0
-    weight_chunk_mib: int = 256
-    startup_timeout_s: float = 900.0
-
-    def __post_init__(self) -> None:
-        owner = "VLLMEngineConfig"
-        check_int(owner, "max_slots", self.max_slots)
-        check_int(owner, "max_len", self.max_len, low=2)
-        check_int(owner, "weight_chunk_mib", self.weight_chunk_mib)
-        if self.block_size is not None:
-            check_int(owner, "block_size", self.block_size)
-        if self.dtype is not None:
-            check_choice(owner, "dtype", self.dtype, VLLMDtype)
-        check(
-            isinstance(self.kv_cache_gib, int | float) and self.kv_cache_gib > 0,
-            owner,
-            "kv_cache_gib",
-            self.kv_cache_gib,
-            "a number > 0",
-        )
-        check(
-            self.on_weight_update == "abort",
-            owner,
-            "on_weight_update",
-            self.on_weight_update,
-            "'abort' (requests in flight are resubmitted with their "
-            "generated prefix; vLLM's pause-and-keep cannot tag versions exactly)",
-        )
-        check(
-            isinstance(self.seed, int) and not isinstance(self.seed, bool),
-            owner,
-            "seed",
-            self.seed,
-            "an int",
-        )
-        check(
-            self.startup_timeout_s > 0,
-            owner,
-            "startup_timeout_s",
-            self.startup_timeout_s,
-            "a number > 0",
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VLLMEngineStats:
-    """Totals since start, counted by this client (vLLM's own metrics are not read)."""
-
-    prefilled_tokens: int  # prompt tokens vLLM computed (not found in its prefix cache)
-    generated_tokens: int
-    completed: int
-    restarted: int  # requests aborted by a weight update and resubmitted with their prefix
-    prefix_hit_tokens: int
-    waiting: int  # submitted, not yet handed to vLLM (e.g. during a weight update)
-    active_slots: int  # requests inside vLLM
-    cached_tokens: int  # not known from outside vLLM: 0
-    weight_updates: int
-    weight_sync_s: float  # seconds spent in update_weights, conversion and transfer included
-    policy_version: int
-
-
-class VLLMSession:
-    """A multi-turn episode's handle. vLLM keeps no state per session: its later turns are
-    prefix-cache hits. Closing it makes further turns an error, as with `Engine`'s."""
-
-    def __init__(self, session_id: int) -> None:
-        self.id = session_id
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-    def __enter__(self) -> VLLMSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"VLLMSession(id={self.id}, closed={self.closed})"
-
-
-class WorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`): receives weight chunks and
-    reloads them in place. Runs in vLLM's worker processes."""
-
-    def nonstop_stage_weights(self, chunk: list[tuple[str, str, list[int], bytes]]) -> int:
-        import torch
-
-        staged = self.__dict__.setdefault("_nonstop_staged", [])
-        with warnings.catch_warnings():  # the bytes are read-only; load_weights copies them
-            warnings.simplefilter("ignore", UserWarning)
-            for name, dtype, shape, data in chunk:
-                if dtype == "bfloat16":  # numpy has no bfloat16 of its own: move the bits
-                    bits = np.frombuffer(data, dtype=np.uint16).reshape(shape)
-                    staged.append((name, torch.from_numpy(bits).view(torch.bfloat16)))
-                else:
-                    array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
-                    staged.append((name, torch.from_numpy(array)))
-        return len(staged)
-
-    def nonstop_load_staged(self) -> int:
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        staged = self.__dict__.pop("_nonstop_staged", [])
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iter(staged), is_checkpoint_format=True
-        )
-        # On CPU an embedding keeps a prepacked copy of its weight for when it is also the
-        # output layer (tied embeddings); vLLM 0.32's in-place reload leaves that copy on the
-        # old weights, so repack it from the new ones.
-        for module in model.modules():
-            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-                module.quant_method.process_weights_after_loading(module)
-        return len(staged)
 
 
 @dataclasses.dataclass(eq=False)
@@ -342,7 +207,7 @@ class VLLMEngine:
             seed=c.seed,
             block_size=c.block_size,
             kv_cache_memory_bytes=int(c.kv_cache_gib * 1024**3),
-            worker_extension_cls=f"{__name__}.WorkerExtension",
+            worker_extension_cls=WORKER_EXTENSION_CLS,
             enable_chunked_prefill=chunked,
             **batch,
         )
@@ -660,27 +525,11 @@ class VLLMEngine:
         chunk_bytes = self.config.weight_chunk_mib * _MiB
         with self._lock, perf.span("engine/weight_update", policy_version=version):
             # Converted here, before the caller may donate or overwrite its arrays.
-            chunks: list[list[tuple[str, str, list[int], bytes]]] = [[]]
-            size = 0
-            try:
-                for name, array in hf_weights(self._graphdef, params, self._rest, self._dtype):
-                    if size and size + array.nbytes > chunk_bytes:
-                        chunks.append([])
-                        size = 0
-                    chunks[-1].append((name, array.dtype.name, list(array.shape), array.tobytes()))
-                    size += array.nbytes
-            except (KeyError, ValueError, TypeError) as error:
-                raise ValueError(
-                    f"update_weights: params do not fit this engine's model "
-                    f"({type(error).__name__}: {error}); pass the state of the "
-                    "model's nnx.Param variables (nnx.state(model, nnx.Param))"
-                ) from error
+            chunks = weight_chunks(self._graphdef, params, self._rest, self._dtype, chunk_bytes)
             asyncio.run_coroutine_threadsafe(self._swap(chunks, version), loop).result()
         self._sync_s += time.perf_counter() - started
 
-    async def _swap(
-        self, chunks: list[list[tuple[str, str, list[int], bytes]]], version: int
-    ) -> None:
+    async def _swap(self, chunks: list[WeightChunk], version: int) -> None:
         assert self._ready is not None
         self._ready.clear()  # requests arriving now wait for the new weights
         try:
@@ -688,9 +537,7 @@ class VLLMEngine:
             self._restart.update(live)
             if live:
                 await self._llm.abort(live)
-            for chunk in chunks:
-                await self._llm.collective_rpc("nonstop_stage_weights", args=(chunk,))
-            await self._llm.collective_rpc("nonstop_load_staged")
+            await send_weights(self._llm, chunks)
             await self._llm.reset_prefix_cache()
             self._version = version
             self._counts["weight_updates"] += 1
