@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 from nonstop.cli.config_command import report_error
-from nonstop.engine.server import API_KEY_ENV, Dtype, ServerConfig, serve
+from nonstop.engine.server_app import API_KEY_ENV, Dtype, ServerConfig, serve
 from nonstop.models.tool_parsers import TOOL_PARSERS
 
 

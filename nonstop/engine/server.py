@@ -1,21 +1,20 @@
-"""nonstop's OpenAI-compatible HTTP server: the local Engine behind /v1/completions,
-/v1/chat/completions, /v1/models, /metrics, /version and /health, and the /nonstop routes a
-trainer in another process drives (weights, pause, state, sessions: `server_admin`), as a
-Starlette app run by uvicorn.
+"""nonstop's OpenAI-compatible HTTP server: `OpenAIServing`, the request handlers that put the
+local Engine behind /v1/completions, /v1/chat/completions, /v1/models, /metrics, /version and
+/health. The /nonstop routes a trainer in another process drives (weights, pause, state,
+sessions) are `server_admin`'s; `server_app` makes the Starlette app of both
+(`build_app(OpenAIServing(engine, tokenizer, ...))`) and runs it with uvicorn
+(`serve(ServerConfig(...))`, `nonstop serve`).
 
-`build_app(OpenAIServing(engine, tokenizer, ...))` makes the ASGI app; `serve(ServerConfig(...))`
-loads a Hugging Face checkpoint directory, starts an Engine on it and runs uvicorn until
-interrupted. Streams are incremental (one SSE chunk per engine decode call), tool calls are
-parsed into `tool_calls` (nonstop.models.tool_parsers), and `echo` / `top_logprobs` read a full
-forward (`scoring.Scorer`). The wire format is in `openai_protocol`; the behaviour, metrics and
-limits are described in docs/serving.md.
+Streams are incremental (one SSE chunk per engine decode call; each choice in flight is a
+`server_choice.Choice`), tool calls are parsed into `tool_calls` (nonstop.models.tool_parsers),
+and `echo` / `top_logprobs` read a full forward (`scoring.Scorer`). The wire format is in
+`openai_protocol`; the behaviour, metrics and limits are described in docs/serving.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import logging
@@ -23,19 +22,14 @@ import secrets
 import string
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 import nonstop
 from nonstop.engine import openai_protocol as wire
-from nonstop.engine.config import WeightUpdateMode
 from nonstop.engine.detokenize import IncrementalText, text_deltas
 from nonstop.engine.openai_protocol import (
     ChatCompletionRequest,
@@ -44,13 +38,13 @@ from nonstop.engine.openai_protocol import (
     SamplingFields,
 )
 from nonstop.engine.sampling import SamplingParams
-from nonstop.engine.server_admin import PauseGate, RolloutAdmin, SessionRegistry
+from nonstop.engine.server_admin import PauseGate, SessionRegistry
+from nonstop.engine.server_choice import Choice
 from nonstop.engine.server_metrics import Metrics
-from nonstop.engine.types import Completion, EngineError, RequestError
+from nonstop.engine.types import Completion, RequestError
 from nonstop.models.chat import ChatTemplate, ToolCall
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.tool_parsers import TOOL_PARSERS, get_parser
-from nonstop.models.validation import check, check_choice, check_int
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -59,50 +53,6 @@ if TYPE_CHECKING:
     from nonstop.engine.scoring import Scorer, Scores
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- one choice in flight
-
-
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    """One generation (a choice of a request) as it streams in from the engine."""
-
-    index: int
-    prompt_tokens: tuple[int, ...]
-    params: SamplingParams
-    text: IncrementalText
-    stop: tuple[str, ...]
-    arrival: float
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    completion: Completion | None = None
-    sent: int = 0  # characters of visible text already sent (streaming)
-    emitted: int = 0  # tokens already sent (streaming)
-    last_token_at: float | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.text.tokens
-
-    def visible(self) -> str:
-        """The text that can be shown now: cut before a stop string and, while the generation
-        runs, without the tail a stop string could still start in."""
-        text = self.text.text
-        if self.completion is not None:
-            why = self.completion.stop_reason
-            cut = text.find(why) if isinstance(why, str) else -1
-            return text if cut < 0 else text[:cut]
-        cut = min((p for s in self.stop if (p := text.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            return text[:cut]
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        return text[: len(text) - hold]
-
-    @property
-    def finish_reason(self) -> str:
-        assert self.completion is not None
-        return wire.WIRE_FINISH_REASONS.get(self.completion.finish_reason, "stop")
 
 
 def _tool_call_id(parser: str) -> str:
@@ -207,16 +157,16 @@ class OpenAIServing:
         return tokens
 
     def _choices(self, fields: SamplingFields, prompts: Sequence[tuple[int, ...]],
-                 arrival: float) -> list[_Choice]:
+                 arrival: float) -> list[Choice]:
         """Every choice of a request: n per prompt, validated up front."""
-        return [_Choice(index=p * fields.n + i, prompt_tokens=prompt,
+        return [Choice(index=p * fields.n + i, prompt_tokens=prompt,
                         params=self._sampling_params(fields, i),
                         text=IncrementalText(self._tokenizer,
                                              skip_special_tokens=fields.skip_special_tokens),
                         stop=fields.stop, arrival=arrival)
                 for p, prompt in enumerate(prompts) for i in range(fields.n)]
 
-    async def _generate(self, choice: _Choice, updates: asyncio.Queue[Any],
+    async def _generate(self, choice: Choice, updates: asyncio.Queue[Any],
                         session: RolloutSession | None) -> None:
         """Run one choice on the engine, recording each chunk and queueing (choice, new
         tokens) after it; an error is queued as (choice, exception)."""
@@ -249,7 +199,7 @@ class OpenAIServing:
             log.exception("generation failed")
             await updates.put((choice, error))
 
-    def _check_session(self, session_id: str | None, choices: list[_Choice]) -> None:
+    def _check_session(self, session_id: str | None, choices: list[Choice]) -> None:
         if session_id is None:
             return
         if len(choices) > 1:
@@ -270,8 +220,8 @@ class OpenAIServing:
         finally:
             self.sessions.release(session_id, session)
 
-    async def _run(self, choices: list[_Choice], session_id: str | None = None
-                   ) -> AsyncIterator[tuple[_Choice, int]]:
+    async def _run(self, choices: list[Choice], session_id: str | None = None
+                   ) -> AsyncIterator[tuple[Choice, int]]:
         """(choice, new token count) as each engine chunk of any choice arrives, until all have
         finished; leaving early cancels the rest (their slots are freed). Waits first while the
         server is paused."""
@@ -295,7 +245,7 @@ class OpenAIServing:
                 for task in tasks:
                     task.cancel()
 
-    async def _finish_all(self, request: Request, choices: list[_Choice],
+    async def _finish_all(self, request: Request, choices: list[Choice],
                           session_id: str | None) -> None:
         """Run every choice to its end; a client that disconnects first cancels them."""
 
@@ -333,19 +283,6 @@ class OpenAIServing:
                  for t, lp in zip(scores.top_ids[r, :k], scores.top_logprobs[r, :k],
                                   strict=True)] for r in rows]
 
-    def _extras(self, choice: _Choice, start: int, stop: int, return_token_ids: bool, *,
-                final: bool) -> dict[str, Any]:
-        extras: dict[str, Any] = {"policy_versions": choice.versions[start:stop]}
-        if return_token_ids:
-            extras["token_ids"] = choice.tokens[start:stop]
-            if start == 0:
-                extras["prompt_token_ids"] = list(choice.prompt_tokens)
-        if final:
-            assert choice.completion is not None
-            extras["stop_reason"] = choice.completion.stop_reason
-            extras["engine_finish_reason"] = choice.completion.finish_reason
-        return extras
-
     def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -363,7 +300,7 @@ class OpenAIServing:
                                  headers={"Cache-Control": "no-cache"})
 
     @staticmethod
-    def _usage(choices: list[_Choice], n: int) -> dict[str, int]:
+    def _usage(choices: list[Choice], n: int) -> dict[str, int]:
         return wire.usage(sum(len(c.prompt_tokens) for c in choices[::n]),
                           sum(len(c.tokens) for c in choices))
 
@@ -385,7 +322,7 @@ class OpenAIServing:
         k = req.logprobs or 0
         as_ids = req.return_tokens_as_token_ids
 
-        async def logprobs_of(choice: _Choice, start: int, stop: int, text_start: int
+        async def logprobs_of(choice: Choice, start: int, stop: int, text_start: int
                               ) -> dict[str, Any] | None:
             if req.logprobs is None:
                 return None
@@ -416,8 +353,7 @@ class OpenAIServing:
                         "index": choice.index, "text": text,
                         "logprobs": await logprobs_of(choice, start, stop, 0),
                         "finish_reason": choice.finish_reason if final else None,
-                        **self._extras(choice, start, stop, req.return_token_ids,
-                                       final=final)}]}
+                        **choice.extras(start, stop, req.return_token_ids, final=final)}]}
                 if fields.include_usage:
                     yield {**envelope, "choices": [], "usage": self._usage(choices, fields.n)}
 
@@ -444,13 +380,12 @@ class OpenAIServing:
                     body["logprobs"] = await self._echo_logprobs(choice, echoed, k, as_ids)
             else:
                 body["logprobs"] = await logprobs_of(choice, 0, len(choice.tokens), 0)
-            body.update(self._extras(choice, 0, len(choice.tokens), req.return_token_ids,
-                                     final=True))
+            body.update(choice.extras(0, len(choice.tokens), req.return_token_ids, final=True))
             out.append(body)
         return JSONResponse({**envelope, "choices": out,
                              "usage": self._usage(choices, fields.n)})
 
-    async def _echo_logprobs(self, choice: _Choice, echoed: str, k: int, as_ids: bool
+    async def _echo_logprobs(self, choice: Choice, echoed: str, k: int, as_ids: bool
                              ) -> dict[str, Any]:
         """Logprobs over the prompt and the completion, the prompt's from a full forward (its
         first token has none: nothing predicts it)."""
@@ -486,7 +421,7 @@ class OpenAIServing:
         return self._parser.call_prefix(None if req.tool_choice == "required"
                                         else req.tool_choice)
 
-    def _tool_calls(self, req: ChatCompletionRequest, choice: _Choice, forced: str
+    def _tool_calls(self, req: ChatCompletionRequest, choice: Choice, forced: str
                     ) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, OpenAI tool_calls) of a finished choice; no calls unless tools apply."""
         text = choice.visible()
@@ -539,7 +474,7 @@ class OpenAIServing:
                     "model": self.model_name}
         as_ids = req.return_tokens_as_token_ids
 
-        async def logprobs_of(choice: _Choice, start: int, stop: int) -> dict[str, Any] | None:
+        async def logprobs_of(choice: Choice, start: int, stop: int) -> dict[str, Any] | None:
             if not req.logprobs:
                 return None
             tokens = choice.tokens[start:stop]
@@ -594,8 +529,7 @@ class OpenAIServing:
                         "index": choice.index, "delta": delta,
                         "logprobs": await logprobs_of(choice, start, stop),
                         "finish_reason": finish,
-                        **self._extras(choice, start, stop, req.return_token_ids,
-                                       final=final)}]}
+                        **choice.extras(start, stop, req.return_token_ids, final=final)}]}
                 if fields.include_usage:
                     yield {**envelope, "choices": [], "usage": self._usage(choices, fields.n)}
 
@@ -612,8 +546,7 @@ class OpenAIServing:
             out.append({"index": choice.index, "message": message,
                         "logprobs": await logprobs_of(choice, 0, len(choice.tokens)),
                         "finish_reason": "tool_calls" if calls else choice.finish_reason,
-                        **self._extras(choice, 0, len(choice.tokens), req.return_token_ids,
-                                       final=True)})
+                        **choice.extras(0, len(choice.tokens), req.return_token_ids, final=True)})
         return JSONResponse({**envelope, "object": "chat.completion", "choices": out,
                              "usage": self._usage(choices, fields.n)})
 
@@ -643,196 +576,4 @@ class OpenAIServing:
                                  media_type="text/plain; version=0.0.4")
 
 
-_GENERATION_ROUTES = {"/v1/completions", "/v1/chat/completions"}
-_ADMIN_ROUTES = {"/nonstop/state", "/nonstop/weights", "/nonstop/pause", "/nonstop/resume"}
-
-
-def _handle_errors(serving: OpenAIServing, handler: Callable[[Request], Awaitable[Response]]
-                   ) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        try:
-            response = await handler(request)
-        except ProtocolError as error:
-            response = JSONResponse(error.body(), status_code=error.status)
-        except EngineError as error:
-            response = JSONResponse(wire.error_body(f"the engine failed: {error}",
-                                                    type="server_error", code=503),
-                                    status_code=503)
-        except Exception as error:  # noqa: BLE001 - answered as a 500, logged
-            log.exception("request to %s failed", request.url.path)
-            response = JSONResponse(wire.error_body(f"internal error: {error}",
-                                                    type="server_error", code=500),
-                                    status_code=500)
-        path = request.url.path
-        serving.metrics.count_request(path if path in _GENERATION_ROUTES | _ADMIN_ROUTES
-                                      else "other", response.status_code)
-        return response
-
-    return endpoint
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """404, 405 and other routing errors as OpenAI error JSON."""
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        message = f"no route {request.url.path!r}; see /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health, /metrics, /version, /nonstop/state"
-        kind: wire.ErrorType = "not_found_error"
-    elif exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path!r}"
-        kind = "invalid_request_error"
-    else:
-        message, kind = str(exc.detail), "invalid_request_error"
-    return JSONResponse(wire.error_body(message, type=kind, code=exc.status_code),
-                        status_code=exc.status_code, headers=exc.headers)
-
-
-def build_app(serving: OpenAIServing) -> Starlette:
-    """The Starlette app routing the OpenAI endpoints to `serving`'s handlers and the /nonstop
-    ones to a `RolloutAdmin`; while it runs (its lifespan), idle sessions are swept."""
-    admin = RolloutAdmin(serving)
-
-    def route(path: str, handler: Callable[[Request], Awaitable[Response]], method: str) -> Route:
-        return Route(path, _handle_errors(serving, handler), methods=[method])
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(serving.sessions.sweep_forever())
-        try:
-            yield
-        finally:
-            sweeper.cancel()
-            serving.sessions.close_all()
-
-    return Starlette(routes=[
-        route("/v1/completions", serving.completions, "POST"),
-        route("/v1/chat/completions", serving.chat_completions, "POST"),
-        route("/v1/models", serving.models, "GET"),
-        route("/v1/models/{model:path}", serving.get_model, "GET"),
-        route("/health", serving.health, "GET"),
-        route("/version", serving.version, "GET"),
-        route("/metrics", serving.prometheus, "GET"),
-        route("/nonstop/state", admin.get_state, "GET"),
-        route("/nonstop/weights", admin.weights, "POST"),
-        route("/nonstop/pause", admin.pause, "POST"),
-        route("/nonstop/resume", admin.resume, "POST"),
-        route("/nonstop/sessions/{session_id:path}", admin.close_session, "DELETE"),
-    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
-
-
-# ---------------------------------------------------------------- running a server
-
-API_KEY_ENV = "NONSTOP_API_KEY"
-Dtype = Literal["float32", "bfloat16"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """What `nonstop serve` runs: a checkpoint directory, where to listen, and the engine's size.
-
-    `api_key=None` serves without authentication; `model_name=None` names the model after the
-    checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot;
-    `tool_parser=None` picks the parser from the chat template's tool-call syntax, else from the
-    model family (none found: `tools` are refused); `session_ttl_s`: sessions opened by
-    requests' `session_id` close after this many seconds idle; `on_weight_update`: what
-    requests running when new weights arrive do (the engine's setting: "continue" on the new
-    weights, or "abort" and restart on them with their prefix)."""
-
-    model_dir: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    model_name: str | None = None
-    max_slots: int = 8
-    max_len: int = 2048
-    dtype: Dtype = "float32"
-    tool_parser: str | None = None
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    session_ttl_s: float = 600.0
-    on_weight_update: WeightUpdateMode = "continue"
-
-    def __post_init__(self) -> None:
-        owner = "ServerConfig"
-        check_choice(owner, "on_weight_update", self.on_weight_update, WeightUpdateMode)
-        check(isinstance(self.port, int) and 0 <= self.port <= 65535, owner, "port", self.port,
-              "an int in [0, 65535]")
-        check_int(owner, "max_slots", self.max_slots)
-        check(isinstance(self.max_len, int) and self.max_len >= 2, owner, "max_len", self.max_len,
-              "an int >= 2 (a prompt token and a generated one)")
-        check_choice(owner, "dtype", self.dtype, Dtype)
-        check(self.api_key is None or bool(self.api_key), owner, "api_key", self.api_key,
-              "None (no authentication) or a non-empty string")
-        check(self.tool_parser is None or self.tool_parser in TOOL_PARSERS, owner, "tool_parser",
-              self.tool_parser, f"None (from the checkpoint) or one of {TOOL_PARSERS}")
-        ttl = self.session_ttl_s
-        check(isinstance(ttl, int | float) and not isinstance(ttl, bool) and ttl > 0, owner,
-              "session_ttl_s", ttl, "seconds > 0")
-
-
-def _say(message: str) -> None:
-    """Startup progress on the console (stdout, flushed), whatever the log level; stderr keeps
-    errors alone, one line each."""
-    print(f"nonstop serve: {message}", flush=True)
-
-
-def _chat_template_source(tokenizer: Tokenizer) -> str | None:
-    try:
-        return tokenizer.get_chat_template(None, tools=True)
-    except Exception:  # noqa: BLE001 - no template: the family decides
-        return None
-
-
-def serve(config: ServerConfig) -> None:
-    """Load `config.model_dir`, start an Engine on it and serve it with uvicorn until stopped."""
-    import jax.numpy as jnp
-    import uvicorn
-
-    from nonstop.engine.config import EngineConfig
-    from nonstop.engine.engine import Engine, gc_heap_frozen
-    from nonstop.engine.scoring import Scorer
-    from nonstop.models import Decoder, load_pretrained
-    from nonstop.models.tool_parsers import parser_name_for
-
-    model_dir = Path(config.model_dir)
-    started = time.perf_counter()
-    tokenizer = Tokenizer.from_pretrained(model_dir)
-    model = load_pretrained(model_dir, dtype=getattr(jnp, config.dtype))
-    max_len = min(config.max_len, model.cfg.max_position_embeddings)
-    # Said once the checkpoint has loaded: a directory that fails to load is one error line.
-    _say(f"loaded {model_dir} ({model.cfg.family}, {config.dtype}) in "
-         f"{time.perf_counter() - started:.1f} s; compiling the engine "
-         f"(max_slots={config.max_slots}, max_len={max_len}) ...")
-    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len,
-                                        on_weight_update=config.on_weight_update),
-                    tokenizer=tokenizer)
-    compile_start = time.perf_counter()
-    engine.start()  # compiles before the port opens, so /health answering means ready
-    tool_parser = config.tool_parser or parser_name_for(_chat_template_source(tokenizer),
-                                                        model.cfg.family)
-    _say(f"compiled in {time.perf_counter() - compile_start:.1f} s; tool-call parser: "
-         f"{tool_parser or 'none (tools are refused; see --tool-parser)'}")
-    serving = OpenAIServing(engine, tokenizer,
-                            model_name=config.model_name or model_dir.resolve().name,
-                            max_len=max_len, api_key=config.api_key, tool_parser=tool_parser,
-                            scorer=Scorer(model, max_len) if isinstance(model, Decoder) else None,
-                            model=model, session_ttl_s=config.session_ttl_s)
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if not self.should_exit:
-                host, port = self.servers[0].sockets[0].getsockname()[:2]
-                _say(f"ready at http://{host}:{port}/v1 (model {serving.model_name!r}, "
-                     f"{time.perf_counter() - started:.1f} s after start)")
-
-    server = Server(uvicorn.Config(build_app(serving), host=config.host, port=config.port,
-                                   log_level=config.log_level))
-    try:
-        with gc_heap_frozen():  # collections skip the model and JAX, and pause threads less
-            server.run()
-    finally:
-        engine.close()
-
-
-__all__ = ["API_KEY_ENV", "Dtype", "IncrementalText", "Metrics", "OpenAIServing", "ServerConfig",
-           "build_app", "serve", "text_deltas"]
+__all__ = ["IncrementalText", "Metrics", "OpenAIServing", "text_deltas"]

@@ -9,7 +9,7 @@
 
 `SessionRegistry` maps the clients' `session_id`s to engine sessions (one turn in flight each,
 closed after `ttl_s` idle by `sweep`), `PauseGate` holds generation requests while paused, and
-`RolloutAdmin` answers the routes; `server.build_app` wires them. docs/serving.md, "Serving a
+`RolloutAdmin` answers the routes; `server_app.build_app` wires them. docs/serving.md, "Serving a
 trainer", describes the protocol.
 """
 

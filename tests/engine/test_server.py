@@ -29,7 +29,8 @@ import nonstop
 from bench.remote_servers import free_port, wait_healthy
 from bench.server_load import gauge, run_load, wait_idle
 from nonstop.engine import openai_protocol as wire
-from nonstop.engine.server import ServerConfig, text_deltas
+from nonstop.engine.server import text_deltas
+from nonstop.engine.server_app import ServerConfig
 from nonstop.models import ModelConfig, load_pretrained
 from nonstop.models.chat import ChatTemplate
 from nonstop.models.hf_weights import weight_specs
