@@ -75,6 +75,7 @@ def vllm_server(checkpoint: Path, log_path: Path, *, dev_mode: bool) -> Iterator
                                    start_new_session=True)
         try:
             wait_healthy(process, url, log_path, STARTUP_TIMEOUT_S)
+            pin_api_server(process.pid)
             yield url
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -85,6 +86,24 @@ def vllm_server(checkpoint: Path, log_path: Path, *, dev_mode: bool) -> Iterator
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, 9)
                 process.wait(timeout=15)
+
+
+def pin_api_server(api_server_pid: int) -> None:
+    """Give the vLLM server's API process a CPU of its own (the last one this process may use),
+    and its engine-core and worker processes the others. Sharing a CPU with the engine core
+    (vLLM reserves one for both), the API process can fall behind a tiny model's ~400 outputs a
+    second, and one that is behind reads no new connection until the request ends (its output
+    loop does not yield while outputs queue): a pause sent mid-request was then answered after
+    it, 8 s later (measured here). A GPU host gives the API server that room anyway."""
+    import psutil  # a vLLM dependency
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    os.sched_setaffinity(api_server_pid, {cpus[-1]})
+    for child in psutil.Process(api_server_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.cpu_affinity(cpus[:-1])
 
 
 @pytest.fixture(scope="module")
