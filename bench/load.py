@@ -9,7 +9,11 @@ layout), then loads it in fresh subprocesses two ways, side by side:
 Peak RSS is read from getrusage in the loading process; `delta` subtracts the RSS the process
 had after importing jax and before loading, so the ratio is about the loader, not the runtime.
 
-    python -m bench.load [--out results.jsonl] [--repeats 3] [--size-gb 1.0]
+    python -m bench.load [--out results.jsonl] [--repeats 3] [--size-gb 1.0] [--phases]
+
+`--phases` also times, in one more fresh subprocess, the parts of the `nonstop` load: reading
+every tensor into one reused buffer, into a fresh buffer each, the host transposes into our
+layout (`placement.transposed`, all cores) and, for scale, a plain copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -99,6 +103,51 @@ print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base,
 """
 
 
+_PHASES = r"""
+import json, sys, time
+import jax.numpy as jnp, numpy as np
+from nonstop.models import ModelConfig
+from nonstop.models.hf_weights import weight_specs
+from nonstop.models.placement import as_stored, transposed
+from nonstop.models.safetensors_io import SafetensorsReader, aligned_buffer
+path = sys.argv[1]
+jnp.zeros(1).block_until_ready()
+out = {}
+with SafetensorsReader(path) as reader:
+    specs = weight_specs(ModelConfig.from_hf(path + "/config.json"))
+    largest = max(e.end - e.start for e in reader.entries.values())
+    reused = aligned_buffer(largest)
+    t0 = time.perf_counter()
+    for spec in specs:
+        reader.read(spec.hf_name, into=reused)
+    out["read_reused_buffer"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    kept = [reader.read(spec.hf_name) for spec in specs]
+    out["read_fresh_buffers"] = time.perf_counter() - t0
+    moved = 0
+    t0 = time.perf_counter()
+    for spec, array in zip(specs, kept):
+        stored, perm = as_stored(spec.to_ours(array))
+        if perm != tuple(range(stored.ndim)):
+            transposed(stored, perm)
+            moved += stored.nbytes
+    out["transposes"] = time.perf_counter() - t0
+    out["transposed_bytes"] = moved
+    t0 = time.perf_counter()
+    for array in kept:
+        array.copy()
+    out["plain_copies"] = time.perf_counter() - t0
+print(json.dumps(out))
+"""
+
+
+def run_phases(directory: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PHASES, str(directory)], check=True,
+                         capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu",
+                                                              **__import__("os").environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_loader(mode: str, directory: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", _LOADER, mode, str(directory)], check=True,
                          capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu",
@@ -111,6 +160,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the nonstop load's parts (reads, transposes, copies)")
     args = parser.parse_args()
     cfg = synthetic_config(args.size_gb)
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,6 +176,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits both
             for mode in modes:
                 all_runs[mode].append(run_loader(mode, directory))
+        phases = run_phases(directory) if args.phases else None
         results = {}
         for mode, runs in all_runs.items():
             results[mode] = {
@@ -143,6 +195,11 @@ def main() -> None:
     print(f"naive/nonstop peak-memory ratio: {ratio:.2f}  (goal: nonstop (peak-base)/size <= 1.3)")
     speed = results["nonstop"]["seconds"] / results["naive"]["seconds"]
     print(f"nonstop/naive time ratio: {speed:.2f}  (goal: <= 1.0)")
+    if phases is not None:
+        gb = phases["transposed_bytes"] / 1e9
+        print("nonstop load, by part (seconds): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in phases.items() if k != "transposed_bytes")
+            + f"  ({gb:.2f} GB transposed, {gb / phases['transposes']:.2f} GB/s)")
     if args.out:
         with args.out.open("a") as f:
             for r in results.values():
