@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,7 @@ print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base,
 
 _PHASES = r"""
 import json, sys, time
-import jax.numpy as jnp, numpy as np
+import jax.numpy as jnp
 from nonstop.models import ModelConfig
 from nonstop.models.hf_weights import weight_specs
 from nonstop.models.placement import as_stored, transposed
@@ -141,17 +142,10 @@ print(json.dumps(out))
 """
 
 
-def run_phases(directory: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PHASES, str(directory)], check=True,
-                         capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu",
-                                                              **__import__("os").environ})
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def run_loader(mode: str, directory: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", _LOADER, mode, str(directory)], check=True,
-                         capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu",
-                                                              **__import__("os").environ})
+def run_script(script: str, *args: str) -> dict:
+    """`script` in a fresh Python process (CPU JAX): the JSON object its last line prints."""
+    out = subprocess.run([sys.executable, "-c", script, *args], check=True, capture_output=True,
+                         text=True, env={"JAX_PLATFORMS": "cpu", **os.environ})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -175,8 +169,8 @@ def main() -> None:
         all_runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits both
             for mode in modes:
-                all_runs[mode].append(run_loader(mode, directory))
-        phases = run_phases(directory) if args.phases else None
+                all_runs[mode].append(run_script(_LOADER, mode, str(directory)))
+        phases = run_script(_PHASES, str(directory)) if args.phases else None
         results = {}
         for mode, runs in all_runs.items():
             results[mode] = {

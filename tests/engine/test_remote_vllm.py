@@ -102,8 +102,8 @@ def pin_api_server(api_server_pid: int) -> None:
         return
     os.sched_setaffinity(api_server_pid, {cpus[-1]})
     for child in psutil.Process(api_server_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            child.cpu_affinity(cpus[:-1])
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(child.pid, cpus[:-1])
 
 
 @pytest.fixture(scope="module")
