@@ -51,8 +51,8 @@ demo: $(DEMO_STAMP)
 # swallows the signal method's exception when it lands inside an event-loop callback.
 test: $(TEST_STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
-	$(PY) -m pytest -q -x --timeout=900 --timeout-method=thread tests
-	$(VLLM_PY) -m pytest -q -x --timeout=900 --timeout-method=thread -k vllm $(VLLM_TESTS)
+	$(PY) -m pytest -q -x --durations=25 --timeout=900 --timeout-method=thread tests
+	$(VLLM_PY) -m pytest -q -x --durations=10 --timeout=900 --timeout-method=thread -k vllm $(VLLM_TESTS)
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench

@@ -57,7 +57,8 @@ def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
     engine's on the same weights, and training raises the share of training episodes solved
     (mean of the last 10 steps against the first 10), as with the in-process engine."""
     demo = DemoConfig(
-        run_dir=str(tmp_path), rl_steps=40, rl_learning_rate=1e-4, max_staleness=0, progress=False
+        run_dir=str(tmp_path), rl_steps=40, rl_learning_rate=1e-4, max_staleness=0, pass_k=0,
+        progress=False,
     )
     cfg = dataclasses.replace(
         demo.agentic(),

@@ -6,8 +6,8 @@ demonstrations of training-split problems) and runs the demo's RL phase through 
 and the streaming learner; `max_staleness=0` makes the run deterministic. The share of each
 step's 64 episodes that solve their problem rises (mean of the last 10 steps against the first
 10; measured 0.23 -> 0.31 here and 0.23 -> 0.34 in `nonstop demo`). The greedy solve rate on the
-held-out problems does not rise on this small task (34.4% -> 28.1% in `nonstop demo`): the tiny
-model learns the ~550 training problems, not the skill; see docs/agentic.md.
+held-out problems does not rise on this small task (34.4% -> 28.1% in `nonstop demo`): the
+model's errors are miscopied numbers, which these steps do not teach; see docs/agentic.md.
 """
 
 from __future__ import annotations
