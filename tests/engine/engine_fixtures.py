@@ -8,6 +8,11 @@ from flax import nnx
 
 from nonstop.models import ModelConfig, init_decoder
 
+# What a test counts as a compilation: an XLA compile, or a program loaded from the persistent
+# compilation cache the suite runs with (tests/conftest.py).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/compilation_cache/cache_retrieval_time_sec")
+
 
 def sharp_tiny_model(seed: int):
     """A tiny Qwen3 decoder whose weights are scaled up: random init at std 0.02 gives

@@ -11,6 +11,7 @@ from flax import nnx
 
 from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
+from tests.engine.engine_fixtures import COMPILE_EVENTS
 
 MAX_LEN = 96
 CFG = ModelConfig.tiny("qwen3")
@@ -54,7 +55,7 @@ def test_update_weights_mid_flight(models, mode, layout):
         traces = engine.stats().traces
         jax.monitoring.register_event_duration_secs_listener(
             lambda event, duration, **kw: compiles.append(event)
-            if event == "/jax/core/compile/backend_compile_duration" else None)
+            if event in COMPILE_EVENTS else None)
         start = engine.stats().generated_tokens
         future = engine.submit(_prompt(5), SamplingParams(temperature=0.0, max_tokens=80))
         _wait_for_tokens(engine, start + 3)
