@@ -14,6 +14,14 @@ COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
                   "/jax/compilation_cache/cache_retrieval_time_sec")
 
 
+def record_compiles() -> list[str]:
+    """A list that every compilation of this process appends its event name to, from now on."""
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event in COMPILE_EVENTS else None)
+    return compiles
+
+
 def sharp_tiny_model(seed: int):
     """A tiny Qwen3 decoder whose weights are scaled up: random init at std 0.02 gives
     near-uniform logits, and scaled ones leave greedy decoding no near-ties."""

@@ -17,7 +17,7 @@ from nonstop import perf
 from nonstop.engine import Engine, EngineConfig, EngineError, RequestError, SamplingParams
 from nonstop.engine.requests import Session
 from nonstop.models import ModelConfig, init_decoder
-from tests.engine.engine_fixtures import COMPILE_EVENTS
+from tests.engine.engine_fixtures import record_compiles
 
 MAX_LEN = 64
 SLOTS = 3
@@ -212,10 +212,7 @@ def test_session_misuse_is_a_request_error(engine):
 def test_no_compilation_after_warmup(model):
     # A fresh engine: the very first steps after warm-up are the ones most likely to compile.
     engine = Engine(model, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(8, 32), decode_buckets=4)).start()
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event)
-        if event in COMPILE_EVENTS else None)
+    compiles = record_compiles()
     traces = engine.stats().traces
     # Decode is compiled once per attention bucket (quarters of the cache) at warm-up; the
     # workload below runs through all of them.

@@ -115,18 +115,15 @@ def build_tool_checkpoint(directory: Path, parser: str) -> Path:
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
-    """One server per parser; the first compiles into a persistent compilation cache, the
-    others start together from it. The openai client of each."""
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    """One server per parser; the first compiles into the suite's persistent compilation cache
+    (tests/conftest.py), the others start together from it. The openai client of each."""
     with contextlib.ExitStack() as stack:
         started = {}
         for i, parser in enumerate(TOOL_PARSERS):
             directory = build_tool_checkpoint(tmp_path_factory.mktemp(parser), parser)
             log = tmp_path_factory.mktemp("log") / f"{parser}.log"
             process, url = stack.enter_context(spawn_server(
-                directory, log, env=cache, extra=["--tool-parser", parser, "--max-len",
+                directory, log, extra=["--tool-parser", parser, "--max-len",
                                                   str(MAX_LEN), "--max-slots", "1"]))
             started[parser] = (process, url, log)
             if i == 0:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from nonstop.engine import Engine, EngineConfig, SamplingParams
 from nonstop.models import ModelConfig, init_decoder
-from tests.engine.engine_fixtures import COMPILE_EVENTS
+from tests.engine.engine_fixtures import record_compiles
 
 MAX_LEN = 96
 CFG = ModelConfig.tiny("qwen3")
@@ -45,7 +45,6 @@ def _greedy(engine, prompt, n):
 @pytest.mark.parametrize("mode", ["continue", "abort"])
 def test_update_weights_mid_flight(models, mode, layout):
     a, b = models
-    compiles = []
     with Engine(b, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,))) as on_b:
         expected_b = _greedy(on_b, _prompt(5), 80).tokens
     with Engine(a, EngineConfig(max_slots=2, max_len=MAX_LEN, prefill_chunks=(16,),
@@ -53,9 +52,7 @@ def test_update_weights_mid_flight(models, mode, layout):
         expected_a = _greedy(engine, _prompt(5), 80).tokens
         assert expected_a != expected_b
         traces = engine.stats().traces
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda event, duration, **kw: compiles.append(event)
-            if event in COMPILE_EVENTS else None)
+        compiles = record_compiles()
         start = engine.stats().generated_tokens
         future = engine.submit(_prompt(5), SamplingParams(temperature=0.0, max_tokens=80))
         _wait_for_tokens(engine, start + 3)

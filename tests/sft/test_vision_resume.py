@@ -2,8 +2,8 @@
 with the parameters of a run never stopped (1e-6) having trained on exactly the same examples,
 step for step (none lost, none twice); SIGTERM checkpoints the current step and exits 143, and
 `--resume RUN_DIR` finishes the run. Subprocesses on the tiny Gemma 3 VLM of
-tests/cli/test_vlm_cli.py; they share one persistent JAX compilation cache, so only the first
-run compiles the step (a few seconds of loading in the others)."""
+tests/cli/test_vlm_cli.py; they share the suite's persistent JAX compilation cache, so only the
+first run compiles the step (a few seconds of loading in the others)."""
 
 from __future__ import annotations
 
@@ -47,19 +47,13 @@ def data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("jax_cache")
-    # PYTHONHASHSEED: with hash randomization the step's HLO differs between processes (some
-    # set or dict order reaches the trace) and every run would miss the compilation cache. The
-    # cheaper LLVM passes cut the one compile by a third; every run here uses the same flags.
+    # The suite's compilation cache (tests/conftest.py) lets every run after the first load the
+    # step. The cheaper LLVM passes cut the one compile by a third; every run here uses them.
     fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     return os.environ | {
         "PYTHONUNBUFFERED": "1",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONHASHSEED": "0",
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {fast}".strip(),
-        "JAX_COMPILATION_CACHE_DIR": str(cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
 
 
