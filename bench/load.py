@@ -12,8 +12,10 @@ had after importing jax and before loading, so the ratio is about the loader, no
     python -m bench.load [--out results.jsonl] [--repeats 3] [--size-gb 1.0] [--phases]
 
 `--phases` also times, in one more fresh subprocess, the parts of the `nonstop` load: reading
-every tensor into one reused buffer, into a fresh buffer each, the host transposes into our
-layout (`placement.transposed`, all cores) and, for scale, a plain copy of the same bytes.
+every tensor into one reused buffer, making a fresh buffer for each (pages faulted in one by
+one as written, or all at once by `aligned_buffer`), the host transposes into our layout
+(`placement.transposed`, all cores, into buffers already mapped; with and without the 8-byte
+word pass) and, for scale, plain copies of the same bytes.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base,
 _PHASES = r"""
 import json, sys, time
 import jax.numpy as jnp
+import numpy as np
 from nonstop.models import ModelConfig
+from nonstop.models import placement
 from nonstop.models.hf_weights import weight_specs
-from nonstop.models.placement import as_stored, transposed
 from nonstop.models.safetensors_io import SafetensorsReader, aligned_buffer
 path = sys.argv[1]
 jnp.zeros(1).block_until_ready()
@@ -118,25 +121,35 @@ with SafetensorsReader(path) as reader:
     specs = weight_specs(ModelConfig.from_hf(path + "/config.json"))
     largest = max(e.end - e.start for e in reader.entries.values())
     reused = aligned_buffer(largest)
+    kept = [reader.read(spec.hf_name) for spec in specs]  # the sources of the passes below
     t0 = time.perf_counter()
     for spec in specs:
         reader.read(spec.hf_name, into=reused)
     out["read_reused_buffer"] = time.perf_counter() - t0
+    sizes = [a.nbytes for a in kept]
     t0 = time.perf_counter()
-    kept = [reader.read(spec.hf_name) for spec in specs]
-    out["read_fresh_buffers"] = time.perf_counter() - t0
-    moved = 0
+    for n in sizes:
+        aligned_buffer(n, populate=False)[::4096] = 1
+    out["fresh_page_by_page"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for spec, array in zip(specs, kept):
-        stored, perm = as_stored(spec.to_ours(array))
+    fresh = [aligned_buffer(n) for n in sizes]
+    out["fresh_populated"] = time.perf_counter() - t0
+    work = []
+    for spec, array, into in zip(specs, kept, fresh):
+        stored, perm = placement.as_stored(spec.to_ours(array))
         if perm != tuple(range(stored.ndim)):
-            transposed(stored, perm)
-            moved += stored.nbytes
-    out["transposes"] = time.perf_counter() - t0
-    out["transposed_bytes"] = moved
+            work.append((stored, perm, into))
+    out["transposed_bytes"] = sum(stored.nbytes for stored, _, _ in work)
+    for name, kernel in (("transposes", None), ("transposes_plain_blocks", "plain")):
+        if kernel == "plain":  # the same row blocks without the 8-byte-word pass
+            placement._WORD = np.dtype(np.uint8)
+        t0 = time.perf_counter()
+        for stored, perm, into in work:
+            placement.transposed(stored, perm, into)
+        out[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for array in kept:
-        array.copy()
+    for stored, _, into in work:
+        into[...] = stored.reshape(-1).view(np.uint8)
     out["plain_copies"] = time.perf_counter() - t0
 print(json.dumps(out))
 """

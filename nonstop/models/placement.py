@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from nonstop.models.safetensors_io import SafetensorsReader, aligned_buffer
 
-_BLOCK_ROWS = 8  # rows per step of the blocked transpose; small blocks stay in L1
+_BLOCK_ROWS = 8  # rows per step of the first pass; a block stays in L1
+_CHUNK_ROWS = 128  # rows per pass pair; the staging chunk stays in L2
+_WORD = np.dtype(np.uint64)
 
 
 def as_stored(ours: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -50,14 +53,55 @@ def _as_bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a
 
 
-def transposed(stored: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
-    """`stored.transpose(perm)` as a fresh C-contiguous, 64-byte-aligned array.
+_scratch = threading.local()
+
+
+def _scratch_words(count: int) -> np.ndarray:
+    """This thread's reused staging buffer of at least `count` 8-byte words."""
+    buffer = getattr(_scratch, "words", None)
+    if buffer is None or buffer.size < count:
+        buffer = _scratch.words = np.empty(count, _WORD)
+    return buffer[:count]
+
+
+def _transpose_rows(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
+    """`dst[:, start:stop] = src[start:stop].T` for a 2-D `src` of unsigned integers.
+
+    numpy's strided copy pays per inner loop, and a plain transpose's inner loops are a few
+    elements long. So when whole 8-byte words fit in a row, two passes per chunk of rows: the
+    words (`lanes` elements of one row each) are transposed into a small scratch buffer, eight
+    times fewer steps for 2-byte elements, then each word's lanes are scattered to their rows
+    with inner loops as long as the chunk (`docs/benchmarks.md`, `bench.load --phases`).
+    """
+    rows, cols = src.shape
+    lanes = _WORD.itemsize // src.dtype.itemsize
+    if lanes <= 1 or cols % lanes:
+        for i in range(start, stop, _BLOCK_ROWS):
+            end = min(i + _BLOCK_ROWS, stop)
+            dst[:, i:end] = src[i:end, :].T
+        return
+    words = src.view(_WORD)  # [rows, cols / lanes]
+    lanes_of = dst.reshape(cols // lanes, lanes, rows)
+    for chunk in range(start, stop, _CHUNK_ROWS):
+        n = min(_CHUNK_ROWS, stop - chunk)
+        scratch = _scratch_words(words.shape[1] * n).reshape(words.shape[1], n)
+        for i in range(0, n, _BLOCK_ROWS):
+            scratch[:, i:i + _BLOCK_ROWS] = words[chunk + i:chunk + min(i + _BLOCK_ROWS, n), :].T
+        lanes_of[:, :, chunk:chunk + n] = (
+            scratch.view(src.dtype).reshape(words.shape[1], n, lanes).transpose(0, 2, 1))
+
+
+def transposed(stored: np.ndarray, perm: tuple[int, ...],
+               out: np.ndarray | None = None) -> np.ndarray:
+    """`stored.transpose(perm)` as a C-contiguous, 64-byte-aligned array: written into `out` (an
+    `aligned_buffer` of `stored.nbytes`) or into a fresh buffer.
 
     Merging the axes that stay adjacent turns every layout of ours into a 2-D transpose
-    (`[A..., B] -> [B, A...]`), done in blocks of rows so reads and writes both stay in cache.
+    (`[A..., B] -> [B, A...]`), done by row ranges on the process's cores.
     """
-    out = aligned_buffer(stored.nbytes).view(stored.dtype).reshape(
-        tuple(stored.shape[a] for a in perm))
+    if out is None:
+        out = aligned_buffer(stored.nbytes)
+    out = out.view(stored.dtype).reshape(tuple(stored.shape[a] for a in perm))
     groups: list[list[int]] = []
     for axis in perm:
         if groups and axis == groups[-1][-1] + 1:
@@ -71,18 +115,17 @@ def transposed(stored: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
     rows = stored.size // cols
     src = _as_bits(stored).reshape(rows, cols)
     dst = _as_bits(out).reshape(cols, rows)
-
-    def blocks(start: int, stop: int) -> None:
-        for i in range(start, stop, _BLOCK_ROWS):
-            dst[:, i:i + _BLOCK_ROWS] = src[i:i + _BLOCK_ROWS, :].T
-
+    if src.dtype.kind != "u":  # an element size numpy has no integer for
+        dst[...] = src.T
+        return out
     # Row ranges on the cores (numpy copies release the GIL): the host transpose is the
     # loader's main cost beyond reading the bytes.
-    step = max(_BLOCK_ROWS, -(-rows // _workers() // _BLOCK_ROWS) * _BLOCK_ROWS)
+    step = max(_CHUNK_ROWS, -(-rows // _workers() // _CHUNK_ROWS) * _CHUNK_ROWS)
     if rows * cols < _PARALLEL_MIN_ELEMENTS or step >= rows:
-        blocks(0, rows)
+        _transpose_rows(src, dst, 0, rows)
         return out
-    futures = [_pool().submit(blocks, a, min(a + step, rows)) for a in range(0, rows, step)]
+    futures = [_pool().submit(_transpose_rows, src, dst, a, min(a + step, rows))
+               for a in range(0, rows, step)]
     for future in futures:
         future.result()
     return out
@@ -111,30 +154,34 @@ def _all_cpu(sharding: Sharding) -> bool:
     return all(d.platform == "cpu" for d in sharding.device_set)
 
 
-def host_layout(ours: np.ndarray, dtype: np.dtype, *, borrowed: bool) -> np.ndarray:
+def host_layout(ours: np.ndarray, dtype: np.dtype, *, borrowed: bool,
+                out: np.ndarray | None = None) -> np.ndarray:
     """`ours` as a C-contiguous, 64-byte-aligned `dtype` array that a CPU device may adopt:
-    `ours` itself when it already is one and not `borrowed`, else a fresh copy. Pure numpy (its
-    copies run without the GIL), so several threads may prepare tensors at once."""
+    `ours` itself when it already is one and not `borrowed`, else a copy, written into `out`
+    (an `aligned_buffer` of the result's size) when given. Pure numpy (its copies run without
+    the GIL), so several threads may prepare tensors at once."""
     dtype = np.dtype(dtype)
     stored, perm = as_stored(ours)
     if jax.dtypes.canonicalize_dtype(stored.dtype) != stored.dtype:  # float64 without x64
         stored = stored.astype(dtype)
     host = stored
     if perm != tuple(range(ours.ndim)) or (borrowed and stored.dtype == dtype):
-        host = transposed(stored, perm)
+        host = transposed(stored, perm, out if stored.dtype == dtype else None)
     if host.dtype != dtype:
-        cast = aligned_buffer(host.size * dtype.itemsize).view(dtype).reshape(host.shape)
+        cast = out if out is not None else aligned_buffer(host.size * dtype.itemsize)
+        cast = cast.view(dtype).reshape(host.shape)
         cast[...] = host
         host = cast
     return host
 
 
 def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bool,
-          on_host: bool | None = None) -> jax.Array:
+          on_host: bool | None = None, out: np.ndarray | None = None) -> jax.Array:
     """`ours` (a view of the bytes as read) as a `dtype` array on `sharding`.
 
     `borrowed`: the buffer `ours` views is reused once the result is ready, so the result must
-    not adopt it. `on_host`: transpose on the host (default: when every device is a CPU).
+    not adopt it. `on_host`: transpose on the host (default: when every device is a CPU), into
+    `out` when given (see `host_layout`).
     """
     dtype = np.dtype(dtype)
     stored, perm = as_stored(ours)
@@ -144,7 +191,7 @@ def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bo
     if on_host is None:
         on_host = _all_cpu(sharding)
     if on_host or (identity and stored.dtype == dtype):
-        host = host_layout(ours, dtype, borrowed=borrowed)
+        host = host_layout(ours, dtype, borrowed=borrowed, out=out)
         return jax.make_array_from_callback(ours.shape, sharding, lambda idx: host[idx])
     src = sharding
     if isinstance(sharding, NamedSharding):
@@ -155,45 +202,49 @@ def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bo
     return _relayout(perm, dtype, sharding)(raw)
 
 
-_IN_FLIGHT = 2  # tensors being read and transposed at once; each has its own staging buffer
+_READ_AHEAD = 1  # tensors being read (each into its own staging buffer) while one is placed
 
 
 def place_all(reader: SafetensorsReader,
               tensors: Sequence[tuple[str, Callable[[np.ndarray], np.ndarray], Sharding]],
               dtype: np.dtype) -> Iterator[jax.Array]:
-    """`place` for each `(name, to_ours, sharding)` in turn, reading ahead.
+    """`place` for each `(name, to_ours, sharding)` in turn, reading one tensor ahead.
 
-    Worker threads read (and, for CPU devices, transpose and cast) the next tensors while the
-    caller places this one; each reads into its own reused staging buffer, so at most
-    `_IN_FLIGHT` tensors are on the host besides the results. A tensor already in our layout is
-    read straight into the buffer its array then adopts on CPU: its bytes are written once.
+    One thread reads the next tensor into a reused staging buffer (and, for CPU devices, maps
+    the fresh buffer its host layout will fill) while the caller transposes and places this
+    one on the process's cores, so the host holds at most two tensors besides the results. A
+    tensor already in our layout is read straight into the buffer its array then adopts on
+    CPU: its bytes are written once. More reading threads only contend for the cores the
+    transposes use.
     """
     dtype = np.dtype(dtype)
     if not tensors:
         return
     largest = max(reader.entries[name].end - reader.entries[name].start for name, *_ in tensors)
-    staging = [aligned_buffer(largest) for _ in range(_IN_FLIGHT)]  # touched only as used
+    staging = [aligned_buffer(largest, populate=False) for _ in range(_READ_AHEAD + 1)]
 
-    def prepare(i: int) -> tuple[np.ndarray, bool]:
-        """Tensor i in our layout: `(array, borrowed)`, ready to adopt when on CPU devices."""
+    def fetch(i: int) -> tuple[np.ndarray, bool, np.ndarray | None]:
+        """Tensor i as read, viewed in our layout: `(ours, borrowed, out)`, with `out` the
+        fresh buffer for its host layout when it is borrowed and bound for CPU devices."""
         name, to_ours, sharding = tensors[i]
         entry = reader.entries[name]
-        slot = staging[i % _IN_FLIGHT][:entry.end - entry.start]
+        slot = staging[i % len(staging)][:entry.end - entry.start]
         probe = to_ours(slot.view(entry.dtype).reshape(entry.shape))  # a view, nothing read
         in_place = probe.flags.c_contiguous and entry.dtype == dtype
         ours = to_ours(reader.read(name, into=None if in_place else slot))
-        if _all_cpu(sharding):
-            return host_layout(ours, dtype, borrowed=not in_place), False
-        return ours, not in_place
+        out = None
+        if not in_place and _all_cpu(sharding):
+            out = aligned_buffer(ours.size * dtype.itemsize)  # faulted in here, off the caller
+        return ours, not in_place, out
 
-    with ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="checkpoint-read") as pool:
-        pending = collections.deque(pool.submit(prepare, i)
-                                    for i in range(min(_IN_FLIGHT, len(tensors))))
+    with ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="checkpoint-read") as pool:
+        pending = collections.deque(pool.submit(fetch, i)
+                                    for i in range(min(_READ_AHEAD, len(tensors))))
         for i, (_, _, sharding) in enumerate(tensors):
-            ours, borrowed = pending.popleft().result()
-            array = place(ours, dtype, sharding, borrowed=borrowed)
+            ours, borrowed, out = pending.popleft().result()
+            if i + _READ_AHEAD < len(tensors):  # into tensor i - 1's buffer: it is placed
+                pending.append(pool.submit(fetch, i + _READ_AHEAD))
+            array = place(ours, dtype, sharding, borrowed=borrowed, out=out)
             if borrowed:
-                array.block_until_ready()  # before task i + _IN_FLIGHT overwrites its buffer
-            if i + _IN_FLIGHT < len(tensors):
-                pending.append(pool.submit(prepare, i + _IN_FLIGHT))
+                array.block_until_ready()  # before a later fetch overwrites its buffer
             yield array

@@ -32,8 +32,8 @@ DTYPES: dict[str, np.dtype] = {
 
 
 _ALIGN = 64  # JAX's CPU client adopts host buffers aligned to this without a copy
-_HUGE_PAGE = 2 * 1024**2
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_MAPPED_MIN = 1024**2  # buffers this large get a mapping of their own
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
 class CheckpointError(ValueError):
@@ -138,22 +138,19 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return found
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
+def aligned_buffer(nbytes: int, *, populate: bool = True) -> np.ndarray:
     """An uninitialised uint8 buffer of `nbytes` starting on a 64-byte boundary.
 
-    A large one is its own anonymous mapping, 2 MiB-aligned and advised to use transparent huge
-    pages: the kernel then fills it one 2 MiB page per fault instead of 512 4 KiB ones. Writing a
-    buffer for the first time costs more than filling it (0.6-3.6 s/GB on a virtual machine,
-    against 0.1 s/GB with huge pages), and every placed tensor is written once into a fresh one.
-    The mapping is released when the last array viewing it is (JAX keeps an adopted one alive).
+    A large one is its own anonymous mapping, released when the last array viewing it is (JAX
+    keeps an adopted one alive). With `populate`, the one `mmap` call faults all its pages in
+    (`MAP_POPULATE`), faster than one fault per page as it is first written: every placed tensor
+    is written once into a fresh buffer (`docs/benchmarks.md`, `bench.load`). A reused buffer
+    that may be only partly written is better not populated.
     """
-    if nbytes >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
-        mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE,
-                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(_MADV_HUGEPAGE)
-        buffer = np.frombuffer(mapping, np.uint8)
-        skip = -buffer.ctypes.data % _HUGE_PAGE  # untouched pages before it are never resident
-        return buffer[skip:skip + nbytes]
+    if nbytes >= _MAPPED_MIN:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_POPULATE if populate else 0)
+        mapping = mmap.mmap(-1, nbytes, flags=flags)
+        return np.frombuffer(mapping, np.uint8)  # page-aligned
     buffer = np.empty(nbytes + _ALIGN, np.uint8)
     skip = -buffer.ctypes.data % _ALIGN
     return buffer[skip:skip + nbytes]

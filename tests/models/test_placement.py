@@ -83,3 +83,19 @@ def test_large_transposes_split_over_threads_equal_numpy(dtype, layout):
     got = transposed(stored, perm)
     assert got.ctypes.data % 64 == 0 and got.flags.c_contiguous
     np.testing.assert_array_equal(got.view(np.uint8), np.ascontiguousarray(hf.T).view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, ml_dtypes.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(300, 24), (300, 26), (130, 4096), (1, 8), (257, 1)])
+def test_two_pass_transpose_equals_numpy_at_every_edge(dtype, shape):
+    """Word-wise passes when whole 8-byte words fit a row (24 = 3 words of bf16, 26 does not
+    split), chunk ends that are not multiples of the block (300 rows over chunks of 128), the
+    threaded path (130 x 4096), and degenerate shapes; into a given buffer and a fresh one."""
+    hf = _hf(shape, seed=5).astype(dtype) if dtype != np.uint8 else (
+        np.random.default_rng(5).integers(0, 255, shape, dtype=np.uint8))
+    expected = np.ascontiguousarray(hf.T)
+    into = aligned_buffer(hf.nbytes)
+    got = transposed(hf, (1, 0), into)
+    assert np.shares_memory(got, into)
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    np.testing.assert_array_equal(transposed(hf, (1, 0)).view(np.uint8), expected.view(np.uint8))
