@@ -187,6 +187,7 @@ class _Run(threading.Thread):
         self._window: list[Event] = []
         self._window_start = 0
         self._window_index = 0
+        self._drained_to = 0  # ns since the anchor when the last drain began
         self._last_scalars = time.perf_counter_ns()
 
     def run(self) -> None:
@@ -195,11 +196,13 @@ class _Run(threading.Thread):
                 self.flush()
                 now = time.perf_counter_ns()
                 if (now - self._last_scalars) / 1e9 >= self.recorder.config.scalars_every_s:
-                    self.write_scalars(now)
+                    self.write_scalars()
+                    self._last_scalars = now
             except Exception:  # profiling must never take the run down; the ring stays bounded
                 _log.exception("nonstop.perf flusher failed; retrying next interval")
 
     def flush(self) -> None:
+        self._drained_to = time.perf_counter_ns() - self.recorder.anchor_perf_ns
         raws = self.recorder.drain()
         lines = []
         for raw in raws:
@@ -209,7 +212,13 @@ class _Run(threading.Thread):
                 lines.append(encode_line({"ph": "T", "tid": tid, "name": self._threads[tid]}))
             event = self.recorder.to_event(raw)
             self.totals.add(event)
-            self._window.append(event)
+            if event.ph == "C" and event.t0 < self._window_start:
+                # Counted after its window's figures were written (the thread was between
+                # reading the clock and recording): it counts in this window, at its start.
+                self._window.append(dataclasses.replace(event, t0=self._window_start,
+                                                        t1=self._window_start))
+            else:
+                self._window.append(event)
             lines.append(encode_line(event.to_json()))
         dropped = self.recorder.dropped
         if dropped != self._reported_dropped:
@@ -221,11 +230,12 @@ class _Run(threading.Thread):
             self._file.flush()
             self.written += len(raws)
 
-    def write_scalars(self, now_ns: int) -> None:
+    def write_scalars(self) -> None:
+        """Figures for the events drained since the last call, over the time up to the last
+        drain: an event recorded after that drain falls in the next window, not in none."""
         from nonstop.perf.analysis import summarize
 
-        anchor = self.recorder.anchor_perf_ns
-        window = (self._window_start, now_ns - anchor)
+        window = (self._window_start, max(self._window_start, self._drained_to))
         figures = summarize(
             self._window,
             window=window,
@@ -236,14 +246,13 @@ class _Run(threading.Thread):
         self._window = []
         self._window_start = window[1]
         self._window_index += 1
-        self._last_scalars = now_ns
 
     def finish(self) -> RunFiles:
         self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join()
         self.flush()
-        self.write_scalars(time.perf_counter_ns())
+        self.write_scalars()
         t = time.perf_counter_ns() - self.recorder.anchor_perf_ns
         end = {"ph": "E", "t": t, "dropped": self.recorder.dropped, "events": self.written}
         self._file.write(encode_line(end))

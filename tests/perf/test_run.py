@@ -236,3 +236,29 @@ def test_pipelined_busy_intervals_get_their_own_track_and_count_once(fresh, tmp_
     assert perf.busy_fraction(log.events, perf.ENGINE, window) == pytest.approx(0.75)
     trace = perf.load_trace(str(tmp_path / "trace.json"))  # validates nesting per track
     assert "engine device @ MainThread" in trace.threads["engine"].values()
+
+
+def test_every_counted_token_lands_in_exactly_one_scalars_window(fresh, tmp_path):
+    """A count recorded between a drain and the figures written after it belongs to the next
+    window (the window ends where the drain began), and one whose clock was read before a
+    window closed but that reached the ring after it counts in the next window too: summed
+    over the windows, tokens/s times window length gives back every token."""
+    from nonstop.perf import recorder, spans
+
+    fresh()
+    with perf.run(tmp_path, perf.PerfConfig(flush_interval_s=3600, scalars_every_s=3600)):
+        flusher = recorder.STATE.run
+        perf.count(perf.ENGINE_TOKENS, 8)
+        flusher.flush()
+        perf.count(perf.ENGINE_TOKENS, 16)  # after the drain, before the figures
+        flusher.write_scalars()
+        late = time.perf_counter_ns()  # a clock read before the next window closes ...
+        flusher.flush()
+        flusher.write_scalars()
+        spans.STATE.recorder.append(  # ... whose event reaches the ring only now
+            ("C", perf.ENGINE_TOKENS, None, late, late, 32.0, threading.get_ident(), 0, None,
+             0, None), {})
+    rows = perf.read_metrics(str(tmp_path))
+    assert len(rows) == 3
+    per_window = [r.get("rate/engine/tokens_per_s", 0) * r["perf/window_s"] for r in rows]
+    assert per_window == pytest.approx([8.0, 16.0, 32.0], rel=1e-6)
