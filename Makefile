@@ -1,6 +1,8 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when it is missing; each
 # installs what it needs once (a stamp file per entry point), so either can run first.
 PYTHON ?= python3.11
+# pytest-xdist workers for the main suite; `make test TEST_WORKERS=1` runs it in one process.
+TEST_WORKERS ?= 2
 VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
@@ -47,11 +49,15 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/nonstop demo
 
 # The whole suite, then the vLLM backend's cases (skipped in the first run) with vLLM's venv.
+# The main suite runs on TEST_WORKERS pytest-xdist workers, each test file on one worker (its
+# module fixtures, the compiled models, are built once); the workers share the suite's XLA
+# compilation cache (tests/conftest.py).
 # A test past 900 s ends the run with every thread's stack: the thread method, because asyncio
 # swallows the signal method's exception when it lands inside an event-loop callback.
 test: $(TEST_STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check nonstop tests bench
-	$(PY) -m pytest -q -x --durations=25 --timeout=900 --timeout-method=thread tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=25 --timeout=900 \
+		--timeout-method=thread tests
 	$(VLLM_PY) -m pytest -q -x --durations=10 --timeout=900 --timeout-method=thread -k vllm $(VLLM_TESTS)
 
 lint: $(TEST_STAMP)
