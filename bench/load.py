@@ -2,9 +2,9 @@
 
 Writes a synthetic Llama-style checkpoint of about 1 GB (bf16, several shards, Hugging Face
 layout), then loads it in fresh subprocesses two ways, side by side:
-  - `nonstop`: `load_pretrained`, reading ahead on two threads into two reused staging buffers
-    and placing each tensor in our layout (transposed on the host here, since the bench runs on
-    CPU devices);
+  - `nonstop`: `load_pretrained`, one thread reading a tensor ahead into two reused staging
+    buffers while the caller places each tensor in our layout (transposed on the host by row
+    ranges on every core here, since the bench runs on CPU devices);
   - `naive`: `safetensors.numpy.load_file` per shard, then `jax.device_put` of each tensor.
 Peak RSS is read from getrusage in the loading process; `delta` subtracts the RSS the process
 had after importing jax and before loading, so the ratio is about the loader, not the runtime.
