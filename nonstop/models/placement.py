@@ -65,7 +65,7 @@ def _scratch_words(count: int) -> np.ndarray:
 
 
 def _transpose_rows(src: np.ndarray, dst: np.ndarray, start: int, stop: int) -> None:
-    """`dst[:, start:stop] = src[start:stop].T` for a 2-D `src` of unsigned integers.
+    """`dst[:, start:stop] = src[start:stop].T` for a 2-D `src` (`_as_bits` of a tensor).
 
     numpy's strided copy pays per inner loop, and a plain transpose's inner loops are a few
     elements long. So when whole 8-byte words fit in a row, two passes per chunk of rows: the
@@ -115,9 +115,6 @@ def transposed(stored: np.ndarray, perm: tuple[int, ...],
     rows = stored.size // cols
     src = _as_bits(stored).reshape(rows, cols)
     dst = _as_bits(out).reshape(cols, rows)
-    if src.dtype.kind != "u":  # an element size numpy has no integer for
-        dst[...] = src.T
-        return out
     # Row ranges on the cores (numpy copies release the GIL): the host transpose is the
     # loader's main cost beyond reading the bytes.
     step = max(_CHUNK_ROWS, -(-rows // _workers() // _CHUNK_ROWS) * _CHUNK_ROWS)
