@@ -2,20 +2,22 @@
 
 Writes a synthetic Llama-style checkpoint of about 1 GB (bf16, several shards, Hugging Face
 layout), then loads it in fresh subprocesses two ways, side by side:
-  - `nonstop`: `load_pretrained`, one thread reading a tensor ahead into two reused staging
-    buffers while the caller places each tensor in our layout (transposed on the host by row
-    ranges on every core here, since the bench runs on CPU devices);
+  - `nonstop`: `load_pretrained`, one thread mapping the next tensor's file pages (or reading
+    it, when it is already in our layout) while the caller places each tensor in our layout
+    (transposed on the host by row ranges on every core here, since the bench runs on CPU
+    devices) and the shape-only model is built during the first read;
   - `naive`: `safetensors.numpy.load_file` per shard, then `jax.device_put` of each tensor.
 Peak RSS is read from getrusage in the loading process; `delta` subtracts the RSS the process
 had after importing jax and before loading, so the ratio is about the loader, not the runtime.
 
     python -m bench.load [--out results.jsonl] [--repeats 3] [--size-gb 1.0] [--phases]
 
-`--phases` also times, in one more fresh subprocess, the parts of the `nonstop` load: reading
-every tensor into one reused buffer, making a fresh buffer for each (pages faulted in one by
+`--phases` also times, in one more fresh subprocess, the parts of the `nonstop` load: mapping
+every tensor's file pages (against reading each into one reused buffer, the copy that mapping
+saves), building the shape-only model, making a fresh buffer for each (pages faulted in one by
 one as written, or all at once by `aligned_buffer`), the host transposes into our layout
-(`placement.transposed`, all cores, into buffers already mapped; with and without the 8-byte
-word pass) and, for scale, plain copies of the same bytes.
+(`placement.transposed`, all cores, into buffers already mapped; also on one thread, and
+without the 8-byte word pass) and, for scale, plain copies of the same bytes.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ import jax.numpy as jnp
 import numpy as np
 from nonstop.models import ModelConfig
 from nonstop.models import placement
+from nonstop.models.decoder import abstract_decoder
 from nonstop.models.hf_weights import weight_specs
 from nonstop.models.safetensors_io import SafetensorsReader, aligned_buffer
 path = sys.argv[1]
@@ -126,6 +129,14 @@ with SafetensorsReader(path) as reader:
     for spec in specs:
         reader.read(spec.hf_name, into=reused)
     out["read_reused_buffer"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for spec in specs:
+        reader.mapped(spec.hf_name)
+    out["map_file_pages"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    abstract_decoder(ModelConfig.from_hf(path + "/config.json"), dtype=jnp.bfloat16,
+                     param_dtype=jnp.bfloat16)
+    out["shape_only_model"] = time.perf_counter() - t0
     sizes = [a.nbytes for a in kept]
     t0 = time.perf_counter()
     for n in sizes:
@@ -140,13 +151,18 @@ with SafetensorsReader(path) as reader:
         if perm != tuple(range(stored.ndim)):
             work.append((stored, perm, into))
     out["transposed_bytes"] = sum(stored.nbytes for stored, _, _ in work)
-    for name, kernel in (("transposes", None), ("transposes_plain_blocks", "plain")):
-        if kernel == "plain":  # the same row blocks without the 8-byte-word pass
+    for name, kernel in (("transposes", None), ("transposes_one_thread", "one"),
+                         ("transposes_plain_blocks", "plain")):
+        workers = placement._workers
+        if kernel == "one":
+            placement._workers = lambda: 1
+        if kernel == "plain":  # the same row blocks, all threads, without the 8-byte-word pass
             placement._WORD = np.dtype(np.uint8)
         t0 = time.perf_counter()
         for stored, perm, into in work:
             placement.transposed(stored, perm, into)
         out[name] = time.perf_counter() - t0
+        placement._workers = workers
     t0 = time.perf_counter()
     for stored, _, into in work:
         into[...] = stored.reshape(-1).view(np.uint8)

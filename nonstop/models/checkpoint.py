@@ -3,8 +3,9 @@
 `load_pretrained` builds the decoder with shape-only parameters, then reads each tensor from the
 safetensors files and places it on its sharding in our layout and the parameter dtype
 (`placement.place_all`: transposed on the host for CPU devices, on the devices otherwise;
-`jax.make_array_from_callback`, so each device receives only its own shard). Two worker threads
-read and transpose the next tensors while one is placed; at most two are in flight on the host.
+`jax.make_array_from_callback`, so each device receives only its own shard). A thread reads the
+next tensor while one is placed, and the shape-only model is built while the first is read; at
+most two tensors are in flight on the host.
 Every expected tensor must be present with its expected shape, and every tensor present must be
 used: anything else is an error naming the tensor and the file.
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 from safetensors.numpy import save_file
 
 from nonstop.models.config import ModelConfig
@@ -76,25 +78,33 @@ def load_pretrained(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
     cfg = ModelConfig.from_hf(path / "config.json")
     param_dtype = param_dtype or dtype
     specs = weight_specs(cfg)
-    by_path = {s.path: s for s in specs}
-    graphdef, abstract = nnx.split(abstract_decoder(cfg, dtype=dtype, param_dtype=param_dtype))
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.devices.flat)
+    built: dict = {}  # the shape-only model, made while the first tensor is read
+
+    def shardings() -> Iterator[Sharding]:
+        graphdef, abstract = nnx.split(abstract_decoder(cfg, dtype=dtype,
+                                                        param_dtype=param_dtype))
+        variables = dict((tuple(p), v) for p, v in nnx.to_flat_state(abstract))
+        unmatched = set(variables) ^ {s.path for s in specs}
+        if unmatched:
+            raise CheckpointError(f"internal: parameters and checkpoint tensors differ at "
+                                  f"{sorted(unmatched)}")
+        built.update(graphdef=graphdef, abstract=abstract,
+                     variables=[variables[s.path] for s in specs])
+        for var in built["variables"]:
+            if mesh is None:
+                yield jax.sharding.SingleDeviceSharding(devices[0])
+            else:
+                yield NamedSharding(mesh, rules.spec(var.logical_axes, var.get_value().shape,
+                                                     mesh))
+
     with SafetensorsReader(path) as reader:
         _check_tensors(reader, specs, cfg)
-        targets = []
-        for var_path, var in nnx.to_flat_state(abstract):
-            spec = by_path.get(tuple(var_path))
-            if spec is None:
-                raise CheckpointError(f"internal: parameter {var_path} has no checkpoint tensor")
-            if mesh is None:
-                sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            else:
-                sharding = NamedSharding(mesh, rules.spec(var.logical_axes, var.get_value().shape,
-                                                          mesh))
-            targets.append((var, (spec.hf_name, spec.to_ours, sharding)))
-        arrays = place_all(reader, [tensor for _, tensor in targets], np.dtype(param_dtype))
-        for (var, _), array in zip(targets, arrays, strict=True):
-            var.set_value(array)
-    return nnx.merge(graphdef, abstract)
+        arrays = place_all(reader, [(s.hf_name, s.to_ours) for s in specs], shardings(),
+                           np.dtype(param_dtype), on_cpu=all(d.platform == "cpu" for d in devices))
+        for i, array in enumerate(arrays):
+            built["variables"][i].set_value(array)
+    return nnx.merge(built["graphdef"], built["abstract"])
 
 
 def save_pretrained(model: Decoder | Gemma3VLM, path: str | Path, *,

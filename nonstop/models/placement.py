@@ -16,7 +16,7 @@ import collections
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -199,49 +199,50 @@ def place(ours: np.ndarray, dtype: np.dtype, sharding: Sharding, *, borrowed: bo
     return _relayout(perm, dtype, sharding)(raw)
 
 
-_READ_AHEAD = 1  # tensors being read (each into its own staging buffer) while one is placed
+_READ_AHEAD = 1  # tensors being read while one is placed
 
 
 def place_all(reader: SafetensorsReader,
-              tensors: Sequence[tuple[str, Callable[[np.ndarray], np.ndarray], Sharding]],
-              dtype: np.dtype) -> Iterator[jax.Array]:
-    """`place` for each `(name, to_ours, sharding)` in turn, reading one tensor ahead.
+              tensors: Sequence[tuple[str, Callable[[np.ndarray], np.ndarray]]],
+              shardings: Iterable[Sharding], dtype: np.dtype, *, on_cpu: bool
+              ) -> Iterator[jax.Array]:
+    """`place` for each `(name, to_ours)` in turn on the next of `shardings`, reading ahead.
 
-    One thread reads the next tensor into a reused staging buffer (and, for CPU devices, maps
-    the fresh buffer its host layout will fill) while the caller transposes and places this
-    one on the process's cores, so the host holds at most two tensors besides the results. A
-    tensor already in our layout is read straight into the buffer its array then adopts on
-    CPU: its bytes are written once. More reading threads only contend for the cores the
-    transposes use.
+    One thread gets the next tensor while the caller transposes and places this one on the
+    process's cores. A tensor already in our layout is read straight into the buffer its
+    array then adopts on CPU: its bytes are written once. Any other is a view of the file's
+    pages (`SafetensorsReader.mapped`: no copy out of the page cache), transposed into a fresh
+    buffer that the reading thread maps (`on_cpu`: every device is a CPU) or, for accelerators,
+    sent as stored. So the host holds at most two tensors besides the results. `shardings` is
+    consumed one at a time as each tensor is placed, the first once the first read has begun:
+    a generator may build what the shardings come from meanwhile. More reading threads only
+    contend for the cores the transposes use.
     """
     dtype = np.dtype(dtype)
-    if not tensors:
-        return
-    largest = max(reader.entries[name].end - reader.entries[name].start for name, *_ in tensors)
-    staging = [aligned_buffer(largest, populate=False) for _ in range(_READ_AHEAD + 1)]
 
     def fetch(i: int) -> tuple[np.ndarray, bool, np.ndarray | None]:
-        """Tensor i as read, viewed in our layout: `(ours, borrowed, out)`, with `out` the
-        fresh buffer for its host layout when it is borrowed and bound for CPU devices."""
-        name, to_ours, sharding = tensors[i]
+        """Tensor i viewed in our layout: `(ours, borrowed, out)`, with `out` the fresh buffer
+        for its host layout when it is borrowed from the file and bound for CPU devices."""
+        name, to_ours = tensors[i]
         entry = reader.entries[name]
-        slot = staging[i % len(staging)][:entry.end - entry.start]
-        probe = to_ours(slot.view(entry.dtype).reshape(entry.shape))  # a view, nothing read
-        in_place = probe.flags.c_contiguous and entry.dtype == dtype
-        ours = to_ours(reader.read(name, into=None if in_place else slot))
-        out = None
-        if not in_place and _all_cpu(sharding):
-            out = aligned_buffer(ours.size * dtype.itemsize)  # faulted in here, off the caller
-        return ours, not in_place, out
+        in_place = to_ours(np.empty(entry.shape, entry.dtype)).flags.c_contiguous  # no bytes
+        if in_place and entry.dtype == dtype:
+            return to_ours(reader.read(name)), False, None
+        ours = to_ours(reader.mapped(name))
+        out = aligned_buffer(ours.size * dtype.itemsize) if on_cpu else None
+        return ours, True, out
 
+    shardings = iter(shardings)
     with ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="checkpoint-read") as pool:
         pending = collections.deque(pool.submit(fetch, i)
                                     for i in range(min(_READ_AHEAD, len(tensors))))
-        for i, (_, _, sharding) in enumerate(tensors):
+        for i in range(len(tensors)):
+            sharding = next(shardings)
             ours, borrowed, out = pending.popleft().result()
-            if i + _READ_AHEAD < len(tensors):  # into tensor i - 1's buffer: it is placed
+            if i + _READ_AHEAD < len(tensors):
                 pending.append(pool.submit(fetch, i + _READ_AHEAD))
             array = place(ours, dtype, sharding, borrowed=borrowed, out=out)
             if borrowed:
-                array.block_until_ready()  # before a later fetch overwrites its buffer
+                array.block_until_ready()  # before the file's pages are unmapped
+            del ours
             yield array

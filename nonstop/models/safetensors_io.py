@@ -1,13 +1,17 @@
 """Tensor-by-tensor reading of (possibly sharded) safetensors checkpoints.
 
-Each tensor is read with one `readinto` into its own 64-byte-aligned buffer: one copy out of the
-page cache, and nothing mapped, so the host holds only the tensors in flight. A memory map would
-save that copy but not the pages (they count as resident until dropped), and on CPU JAX adopts
-aligned host arrays without copying, so a model placed from mapped views would keep reading the
-file after loading (`safetensors.numpy.load_file` returns a whole shard's tensors at once, so a
-shard is resident before anything is placed). The header format is the published safetensors one (8-byte little-endian length, JSON header); every offset is
-checked against the file's size when the header is read, so a truncated file is an error naming
-the file and the first tensor it cuts off.
+A tensor is either read with one `readinto` into its own 64-byte-aligned buffer (one copy out of
+the page cache; on CPU JAX adopts such a buffer without copying) or viewed where it lies in the
+file's pages (`mapped`: no copy at all, for a tensor that is copied anyway, as a transpose into
+our layout does). Either way the host holds only the tensors in flight: a model placed from
+mapped views would keep the file's pages and read the file after loading, and
+`safetensors.numpy.load_file` returns a whole shard's tensors at once, so a shard is resident
+before anything is placed.
+
+The header format is the published safetensors one (8-byte little-endian length, JSON header);
+every offset is checked against the file's size when the header is read, and again before a
+tensor is read or mapped, so a truncated file is an error naming the file and the first tensor
+it cuts off.
 """
 
 from __future__ import annotations
@@ -183,10 +187,7 @@ class SafetensorsReader:
             raise ValueError(f"read({name!r}): buffer of {into.nbytes} bytes at alignment "
                              f"{into.ctypes.data % _ALIGN} cannot hold {nbytes} aligned bytes")
         data = into.reshape(-1).view(np.uint8)[:nbytes]
-        with self._open_lock:
-            if e.file not in self._files:
-                self._files[e.file] = os.open(e.file, os.O_RDONLY)
-            fd = self._files[e.file]
+        fd = self._descriptor(e.file)
         view, done = memoryview(data), 0
         while done < nbytes:  # one read(2) returns at most ~2 GiB
             got = os.preadv(fd, [view[done:]], e.start + done)
@@ -196,6 +197,31 @@ class SafetensorsReader:
                                       "during loading?)")
             done += got
         return data.view(e.dtype).reshape(e.shape)
+
+    def mapped(self, name: str) -> np.ndarray:
+        """Tensor `name` as a read-only view of the file's pages, mapped all at once: no copy
+        out of the page cache. The pages stay resident while the view (or an array viewing it)
+        lives, so keep it only while copying out of it; nothing here may adopt it."""
+        e = self.entries[name]
+        if e.end == e.start:
+            return np.empty(e.shape, e.dtype)
+        fd = self._descriptor(e.file)
+        size = os.fstat(fd).st_size
+        if size < e.end:  # a mapping past the end would fault when read
+            raise CheckpointError(f"{e.file}: truncated since it was opened: tensor {name!r} "
+                                  f"ends at byte {e.end} but the file has {size} bytes (was it "
+                                  "rewritten during loading?)")
+        base = e.start - e.start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, e.end - base, flags=mmap.MAP_SHARED | _POPULATE,
+                            prot=mmap.PROT_READ, offset=base)
+        data = np.frombuffer(mapping, np.uint8, e.end - e.start, e.start - base)
+        return data.view(e.dtype).reshape(e.shape)
+
+    def _descriptor(self, file: Path) -> int:
+        with self._open_lock:
+            if file not in self._files:
+                self._files[file] = os.open(file, os.O_RDONLY)
+            return self._files[file]
 
     def close(self) -> None:
         for fd in self._files.values():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -11,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nonstop.models import make_mesh
 from nonstop.models.hf_weights import _linear, _out_proj
 from nonstop.models.placement import as_stored, place, transposed
-from nonstop.models.safetensors_io import aligned_buffer
+from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader, aligned_buffer
 
 N, H, D, F = 4, 6, 10, 14  # N and D split over tp=4 and fsdp=2 below
 
@@ -99,3 +101,34 @@ def test_two_pass_transpose_equals_numpy_at_every_edge(dtype, shape):
     assert np.shares_memory(got, into)
     np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
     np.testing.assert_array_equal(transposed(hf, (1, 0)).view(np.uint8), expected.view(np.uint8))
+
+
+def _write_shard(path, tensors):
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_mapped_view_equals_the_read_bytes_and_cannot_be_written(tmp_path):
+    rng = np.random.default_rng(3)
+    tensors = {"a": rng.standard_normal((3, 5), np.float32),  # at an offset that no page starts
+               "b": rng.integers(-9, 9, (4096, 3), np.int16), "empty": np.zeros((0, 4), np.float32)}
+    _write_shard(tmp_path, tensors)
+    with SafetensorsReader(tmp_path) as reader:
+        for name, expected in tensors.items():
+            view = reader.mapped(name)
+            assert view.dtype == expected.dtype and view.shape == expected.shape
+            np.testing.assert_array_equal(view, expected)
+            np.testing.assert_array_equal(view, reader.read(name))
+        with pytest.raises(ValueError, match="read-only"):
+            reader.mapped("b")[0, 0] = 1
+
+
+def test_a_file_truncated_after_opening_is_an_error_not_a_fault(tmp_path):
+    tensors = {"a": np.arange(12, dtype=np.float32), "b": np.arange(4096, dtype=np.float32)}
+    _write_shard(tmp_path, tensors)
+    with SafetensorsReader(tmp_path) as reader:
+        last = max(reader.entries, key=lambda name: reader.entries[name].end)
+        os.truncate(tmp_path / "model.safetensors", reader.entries[last].end - 4)
+        with pytest.raises(CheckpointError, match=rf"truncated since it was opened: tensor '{last}'"):
+            reader.mapped(last)
