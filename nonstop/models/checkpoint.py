@@ -28,7 +28,7 @@ from nonstop.models.config import ModelConfig
 from nonstop.models.decoder import Decoder, abstract_decoder
 from nonstop.models.hf_weights import IGNORED_SUFFIXES, WeightSpec, weight_specs
 from nonstop.models.multimodal import Gemma3VLM, is_vlm_config
-from nonstop.models.placement import place_all
+from nonstop.models.placement import host_layout, place_all
 from nonstop.models.safetensors_io import CheckpointError, SafetensorsReader
 from nonstop.models.sharding import DEFAULT_RULES, ShardingRules
 
@@ -127,10 +127,8 @@ def save_pretrained(model: Decoder | Gemma3VLM, path: str | Path, *,
     sizes = [0]
     saved_dtype = None
     for spec_path, spec in specs.items():
-        value = jax.device_get(flat[spec_path].get_value())
-        host = np.ascontiguousarray(spec.to_hf(np.asarray(value)))
-        if dtype is not None:
-            host = host.astype(dtype)
+        value = np.asarray(jax.device_get(flat[spec_path].get_value()))
+        host = host_layout(spec.to_hf(value), np.dtype(dtype or value.dtype), borrowed=False)
         saved_dtype = host.dtype
         if sizes[-1] and sizes[-1] + host.nbytes > max_shard_bytes:
             shards.append({})
