@@ -37,6 +37,7 @@ from nonstop.engine import (
     RolloutEngine,
     SamplingParams,
     ServingEngine,
+    remote_weights,
 )
 from nonstop.engine.types import Completion
 from nonstop.models import load_pretrained
@@ -360,10 +361,12 @@ def test_hf_weights_merge_lora(tmp_path: Path):
     )
 
 
-@pytest.mark.parametrize("kind", ["local", "vllm", "remote"])
-def test_lora_policy_pushes_merged_weights(kind: str, tmp_path: Path):
+@pytest.mark.parametrize("kind", ["local", "vllm", "remote", "remote-http"])
+def test_lora_policy_pushes_merged_weights(kind: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch):
     """An engine built on a LoRA policy takes its state (adapters included) and samples what
-    the in-process engine does on the merged weights."""
+    the in-process engine does on the merged weights. `remote-http` posts the weights as the
+    request body (not through shared memory), in many small pieces."""
     if kind == "vllm" and not HAS_VLLM:
         pytest.skip("vLLM is not importable here")
     from nonstop.models.lora import merge_lora
@@ -376,9 +379,13 @@ def test_lora_policy_pushes_merged_weights(kind: str, tmp_path: Path):
     stack = contextlib.ExitStack()
     if kind == "local":
         engine = Engine(initial, EngineConfig(**config))
-    elif kind == "remote":  # the server runs the plain checkpoint; the policy has adapters
+    elif kind.startswith("remote"):  # the server runs the plain checkpoint; the policy has
+        # adapters
         url = stack.enter_context(start_server(directory, tmp_path / "server.log"))
-        engine = RemoteEngine(url, api_key=API_KEY, max_len=MAX_LEN, policy=initial)
+        transfer = "http" if kind == "remote-http" else "auto"
+        monkeypatch.setattr(remote_weights, "_BODY_CHUNK", 4096)  # the blob in many pieces
+        engine = RemoteEngine(url, api_key=API_KEY, max_len=MAX_LEN, policy=initial,
+                              weight_transfer=transfer)
     else:
         from nonstop.engine import VLLMEngine, VLLMEngineConfig
 
