@@ -225,7 +225,8 @@ def place_all(reader: SafetensorsReader,
         for its host layout when it is borrowed from the file and bound for CPU devices."""
         name, to_ours = tensors[i]
         entry = reader.entries[name]
-        in_place = to_ours(np.empty(entry.shape, entry.dtype)).flags.c_contiguous  # no bytes
+        # Whether our layout is the stored one: asked of an array whose pages are never touched.
+        in_place = to_ours(np.empty(entry.shape, entry.dtype)).flags.c_contiguous
         if in_place and entry.dtype == dtype:
             return to_ours(reader.read(name)), False, None
         ours = to_ours(reader.mapped(name))
