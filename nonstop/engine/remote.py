@@ -113,8 +113,8 @@ class RemoteStats:
     generated_tokens: int
     completed: int
     failed: int
-    waiting: int  # always 0: requests queue on the servers
-    active_slots: int  # requests in flight from this client
+    waiting: int  # requests waiting here for a free slot of their nonstop server
+    active_slots: int  # requests sent and not yet answered
     cached_tokens: int  # not reported by the servers: 0
     prefix_hit_tokens: int  # not reported by the servers: 0
     policy_version: int
@@ -216,6 +216,8 @@ class RemoteEngine:
                             server_failures=0, weight_updates=0, restarted=0)
         self._sync_s = 0.0
         self._in_flight = 0
+        self._waiting = 0  # requests waiting here for a slot of their server
+        self._sent = 0  # requests sent and not yet answered
         self._busy_since = 0
         self._weight_dtype = np.dtype(weight_dtype)
         self._pusher = WeightPusher(self._headers, self._timeout, weight_transfer, weight_dir)
@@ -237,8 +239,6 @@ class RemoteEngine:
             client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout,
                                        transport=self._transport)
             self._clients[loop] = client
-            for server in self._servers:  # asyncio locks belong to one loop
-                server.lock = None
         return client
 
     async def __aenter__(self) -> RemoteEngine:
@@ -301,7 +301,7 @@ class RemoteEngine:
     def stats(self) -> RemoteStats:
         c = self._counts
         return RemoteStats(generated_tokens=c["generated_tokens"], completed=c["completed"],
-                           failed=c["failed"], waiting=0, active_slots=self._in_flight,
+                           failed=c["failed"], waiting=self._waiting, active_slots=self._sent,
                            cached_tokens=0, prefix_hit_tokens=0,
                            policy_version=self.policy_version, rerouted=c["rerouted"],
                            server_failures=c["server_failures"],
@@ -352,8 +352,7 @@ class RemoteEngine:
         """Learn the server's kind, limits and version; bring a nonstop server's weights up to
         date (a late joiner, or one back after a restart). `Unreachable` if it does not
         answer."""
-        if server.lock is None:
-            server.lock = asyncio.Lock()
+        server.on_this_loop()
         async with server.lock:
             if server.probed:
                 return
@@ -367,7 +366,9 @@ class RemoteEngine:
                 state = response.json()
                 server.nonstop = True
                 server.model = state.get("model")
-                server.max_slots = int(state.get("max_slots", 1))
+                slots = int(state.get("max_slots", 1))
+                if slots != server.max_slots:
+                    server.max_slots, server.slots = slots, None  # sized anew when next used
                 server.max_len = state.get("max_len")
                 server.version = int(state.get("policy_version", 0))
             elif response.status_code in (401, 403):
@@ -475,6 +476,29 @@ class RemoteEngine:
         self._counts["generated_tokens"] += len(completion.tokens)
         return completion
 
+    async def _within_slots(self, server: Server, body: dict) -> dict:
+        """POST /completions to `server`, for a `nonstop serve` once one of its slots is free
+        here: requests past its slots would only wait on the server, where they slow every
+        request it serves (`docs/engine.md`). Other servers take what they are sent."""
+        slots = None
+        if server.nonstop:
+            server.on_this_loop()
+            if server.slots is None:
+                server.slots = asyncio.Semaphore(max(server.max_slots, 1))
+            slots = server.slots
+            self._waiting += 1
+            try:
+                await slots.acquire()
+            finally:
+                self._waiting -= 1
+        self._sent += 1
+        try:
+            return await self._once(server, "POST", "/completions", json=body)
+        finally:
+            self._sent -= 1
+            if slots is not None:
+                slots.release()
+
     async def _with_failover(self, token_ids: Sequence[int], params: SamplingParams,
                              session: RemoteSession | None) -> Completion:
         budget = self._max_retries + len(self._servers) - 1
@@ -498,7 +522,7 @@ class RemoteEngine:
                                               part_params)
                     if session is not None and server.nonstop:
                         body["session_id"] = self._session_key(session)
-                    response = await self._once(server, "POST", "/completions", json=body)
+                    response = await self._within_slots(server, body)
                 finally:
                     server.in_flight -= 1
                 part = parse_completion(

@@ -77,7 +77,17 @@ class Server:
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)  # not updating
     in_flight: int = 0
     picks: int = 0  # requests sent to it (ties go to the least used)
-    lock: asyncio.Lock | None = None
+    # asyncio primitives belong to one event loop: made anew for each loop (`loop`).
+    loop: asyncio.AbstractEventLoop | None = None
+    lock: asyncio.Lock | None = None  # one probe at a time
+    slots: asyncio.Semaphore | None = None  # a nonstop server's slots, as this client holds them
+
+    def on_this_loop(self) -> None:
+        """Make the asyncio primitives anew when the running loop is not the one they were
+        made on."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            self.loop, self.lock, self.slots = loop, asyncio.Lock(), None
 
     def __post_init__(self) -> None:
         self.ready.set()

@@ -174,3 +174,32 @@ def test_vllm_style_response_and_request_fields():
                     "skip_special_tokens": False, "logprobs": 0, "return_token_ids": True,
                     "return_tokens_as_token_ids": True, "n": 1, "stream": False,
                     "stop": ["zz"], "seed": 11}
+
+
+def test_requests_past_the_servers_slots_wait_here(local: Engine, server: str):
+    """Three times the server's slots at once: at most its slots are sent, the rest wait in
+    the client (counted as `waiting`), and every request gets the local engine's tokens."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5)] for i in range(3 * MAX_SLOTS)]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def main() -> tuple[list[Completion], list[tuple[int, int]]]:
+        seen: list[tuple[int, int]] = []
+        async with RemoteEngine(server, api_key=API_KEY) as remote:
+            tasks = [asyncio.ensure_future(remote.generate(p, params)) for p in prompts]
+            while not all(t.done() for t in tasks):
+                stats = remote.stats()
+                seen.append((stats.active_slots, stats.waiting))
+                await asyncio.sleep(0.001)
+            assert remote.stats().waiting == 0 and remote.stats().active_slots == 0
+            return [t.result() for t in tasks], seen
+
+    got, seen = asyncio.run(main())
+    assert max(active for active, _ in seen) <= MAX_SLOTS
+    assert max(waiting for _, waiting in seen) >= MAX_SLOTS  # the surplus waited here
+    want = asyncio.run(_generate_all(local, prompts, params))
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+
+
+async def _generate_all(engine: Engine, prompts: list[list[int]],
+                        params: SamplingParams) -> list[Completion]:
+    return list(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
