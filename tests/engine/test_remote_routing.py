@@ -3,7 +3,8 @@ server when one dies, and a down server taken back after `revive_after_s`.
 
 The servers are httpx mock transports answering as `nonstop serve` does (GET /nonstop/state,
 POST /v1/completions with nonstop's extensions), so these tests pin the client's routing rules
-without compiling a model; tests/engine/test_remote_servers.py drives real servers.
+without compiling a model; tests/engine/test_remote.py and tests/engine/test_protocol.py drive
+real servers.
 """
 
 from __future__ import annotations
@@ -58,14 +59,23 @@ class FakeServers:
             "logprobs": {"token_logprobs": [-0.5, -0.25]}, "policy_versions": [0, 0]}]})
 
 
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for `condition()`; a test whose requests never arrive fails instead of hanging."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 def engine(servers: FakeServers, **kwargs) -> RemoteEngine:
     kwargs.setdefault("retry_backoff_s", 0.01)
     return RemoteEngine(URLS, transport=httpx.MockTransport(servers.handler), max_len=64,
                         **kwargs)
 
 
-def test_requests_go_to_the_least_loaded_server():
-    """Eight requests held in flight spread by slots: 3 slots on a, 1 on b -> 6 and 2."""
+def test_requests_go_to_the_least_loaded_server_and_wait_for_its_slots():
+    """Eight requests at once to servers with 3 and 1 slots: 3 go to a, 1 to b, and the other
+    four wait in the client until a slot frees (a nonstop server is never sent more than its
+    slots); every request completes."""
     servers = FakeServers(slots={"a.test": 3, "b.test": 1})
 
     async def main() -> None:
@@ -75,16 +85,23 @@ def test_requests_go_to_the_least_loaded_server():
                 servers.hold = asyncio.Event()
                 tasks = [asyncio.create_task(remote.generate([1, 2], PARAMS))
                          for _ in range(batch)]
-                while len(servers.completions) < batch:
-                    await asyncio.sleep(0.01)
+                sent = min(batch, 4)
+                await until(lambda: len(servers.completions) >= sent)  # noqa: B023
+                if batch == 8:
+                    await asyncio.sleep(0.05)  # time for a fifth request to go out, were it sent
+                    assert Counter(host for host, _ in servers.completions) == {"a.test": 3,
+                                                                                "b.test": 1}
+                    assert remote.stats().waiting == 4
+                    assert remote.stats().active_slots == 4
                 servers.hold.set()
                 out = await asyncio.gather(*tasks)
             assert set(servers.probes) == {"a.test", "b.test"}
             assert remote.config.max_slots == 4
+            assert remote.stats().waiting == 0
         assert all(c.tokens == (2, 3) for c in out)
 
     asyncio.run(main())
-    assert Counter(host for host, _ in servers.completions) == {"a.test": 6, "b.test": 2}
+    assert len(servers.completions) == 8
 
 
 def test_a_sessions_turns_stay_on_one_server_and_close_there():
@@ -97,8 +114,8 @@ def test_a_sessions_turns_stay_on_one_server_and_close_there():
                 servers.hold = asyncio.Event() if turn == 0 else None  # both first turns at once
                 tasks = [asyncio.create_task(remote.generate([k] * (turn + 1), PARAMS, session=s))
                          for k, s in ((1, one), (2, two))]
-                while turn == 0 and len(servers.completions) < 2:
-                    await asyncio.sleep(0.01)
+                if turn == 0:
+                    await until(lambda: len(servers.completions) >= 2)
                 if servers.hold is not None:
                     servers.hold.set()
                 await asyncio.gather(*tasks)
