@@ -362,14 +362,13 @@ def main() -> None:
 @contextlib.contextmanager
 def open_backend(backend: str, model, config: EngineConfig, servers: int
                  ) -> Iterator[RolloutClient]:
-    """`backend`'s engine on `model`, sized by `config` (slots and max_len; the rest is the
-    local engine's), stopped (and its servers) on exit."""
+    """`backend`'s engine on `model`, stopped (and its servers) on exit: `config` whole for the
+    local engine and each `nonstop serve`, its slots and max_len for vLLM."""
     if backend == "local":
         with Engine(model, config) as engine:
             yield engine
     elif backend == "remote":
-        with (serving(model, servers=servers, max_slots=config.max_slots,
-                      max_len=config.max_len) as urls,
+        with (serving(model, servers=servers, engine=config) as urls,
               RemoteEngine(urls, max_len=config.max_len, policy=model) as engine):
             yield engine
     else:
@@ -417,9 +416,8 @@ def bench_engine(args: argparse.Namespace, backend: str, layout: str, prefix_cac
         pipeline_depth=args.pipeline_depth, swap_space_gib=swap, parked_slots=parked,
         kv_layout=layout, block_size=args.block_size, prefix_cache=prefix_cache,
         kv_cache_tokens=args.kv_cache_tokens if paged else None)
-    # nonstop serve builds its engine from --max-slots and --max-len alone: EngineConfig's
-    # defaults otherwise (one prefill row, one decode bucket, no parked slots), shown as such.
-    shown = config if backend == "local" else EngineConfig(max_slots=slots, max_len=max_len)
+    # Each nonstop serve runs `config` whole (`--engine` flags); vLLM only its size.
+    shown = config if backend != "vllm" else EngineConfig(max_slots=slots, max_len=max_len)
     settings = {"backend": backend, "engine": label,
                 "servers": args.servers if backend == "remote" else None}
     with open_backend(backend, init_decoder(cfg, seed=0), config, args.servers) as engine:

@@ -1,8 +1,11 @@
 """`nonstop serve` processes for the benchmarks' remote backend: write a model as a checkpoint,
 start servers on it on free loopback ports, wait until each answers /health, stop them at exit.
 
-    with serving(model, servers=2, max_slots=64, max_len=72) as urls:
+    with serving(model, servers=2, engine=EngineConfig(max_slots=64, max_len=72)) as urls:
         engine = RemoteEngine(urls, max_len=72, policy=model)
+
+Each server runs `engine` whole: its `max_slots` and `max_len` as flags, every other field that
+differs from `EngineConfig`'s default as an `--engine KEY=VALUE` flag.
 
 The checkpoint's tokenizer is a WordLevel one with exactly the model's vocabulary (token i is
 the word `t{i}`, no special tokens), so every id the benchmarks send is in the server's
@@ -12,6 +15,8 @@ vocabulary and decodes to text.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -24,6 +29,7 @@ from pathlib import Path
 import httpx
 import tokenizers
 
+from nonstop.engine import EngineConfig
 from nonstop.models import Tokenizer, save_pretrained
 
 STARTUP_TIMEOUT_S = 600.0  # loading and compiling on a shared 2-core CPU
@@ -69,8 +75,19 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path,
         time.sleep(0.25)
 
 
+def engine_flags(engine: EngineConfig) -> list[str]:
+    """`nonstop serve` flags that give a server's engine exactly `engine`."""
+    flags = ["--max-slots", str(engine.max_slots), "--max-len", str(engine.max_len)]
+    default = EngineConfig()
+    for field in dataclasses.fields(EngineConfig):
+        value = getattr(engine, field.name)
+        if field.name not in ("max_slots", "max_len") and value != getattr(default, field.name):
+            flags += ["--engine", f"{field.name}={json.dumps(value)}"]  # JSON is YAML
+    return flags
+
+
 @contextlib.contextmanager
-def serving(model, *, servers: int, max_slots: int, max_len: int, dtype: str = "float32",
+def serving(model, *, servers: int, engine: EngineConfig, dtype: str = "float32",
             api_key: str | None = None, workdir: Path | None = None) -> Iterator[list[str]]:
     """Yield the base URLs of `servers` `nonstop serve` processes on `model`'s weights (started
     together, each healthy; `dtype`: their compute dtype); terminate them (kill if they linger)
@@ -87,9 +104,8 @@ def serving(model, *, servers: int, max_slots: int, max_len: int, dtype: str = "
             port = free_port()
             log = workdir / f"server{i}.log"
             command = [sys.executable, "-m", "nonstop.cli.serve", str(checkpoint),
-                       "--host", "127.0.0.1", "--port", str(port), "--max-len", str(max_len),
-                       "--max-slots", str(max_slots), "--dtype", dtype,
-                       "--log-level", "warning"]
+                       "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine),
+                       "--dtype", dtype, "--log-level", "warning"]
             if api_key is not None:
                 command += ["--api-key", api_key]
             out = stack.enter_context(log.open("wb"))

@@ -119,7 +119,8 @@ def summarize(name: str, rows: list[dict[str, float]]) -> dict[str, float]:
 def bench_remote(model, params: nnx.State, args: argparse.Namespace) -> dict[str, dict]:
     """The `remote shm` and `remote http` rows, against the same `--servers` servers."""
     results = {}
-    with serving(model, servers=args.servers, max_slots=2, max_len=64, dtype=args.dtype) as urls:
+    with serving(model, servers=args.servers, engine=EngineConfig(max_slots=2, max_len=64),
+                 dtype=args.dtype) as urls:
         for i, transfer in enumerate(("shm", "http")):
             with RemoteEngine(urls, max_len=64, policy=model, weight_dtype=args.dtype,
                               weight_transfer=transfer) as engine:

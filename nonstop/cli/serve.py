@@ -6,6 +6,11 @@ that, the NONSTOP_API_KEY environment variable; with neither, the server is open
 `python -m nonstop.cli.serve MODEL_DIR ...` runs the same command without the top-level CLI.
 A directory that is missing or is not a checkpoint (config.json, *.safetensors, tokenizer.json)
 stops with a one-line message (exit status 2).
+
+`--max-slots`, `--max-len` and `--on-weight-update` set the engine's most used settings;
+`--engine KEY=VALUE` (repeatable, after them) sets any other `EngineConfig` field, the value
+read as YAML, e.g. `--engine kv_layout=paged --engine prefill_rows=8 --engine
+prefill_chunks=[16,64,256]` (docs/engine.md lists the fields).
 """
 
 from __future__ import annotations
@@ -17,8 +22,17 @@ import typing
 from pathlib import Path
 
 from nonstop.cli.config_command import report_error
-from nonstop.engine.server_app import API_KEY_ENV, Dtype, ServerConfig, serve
+from nonstop.engine.config import EngineConfig
+from nonstop.engine.server_app import (
+    API_KEY_ENV,
+    DEFAULT_MAX_LEN,
+    DEFAULT_MAX_SLOTS,
+    Dtype,
+    ServerConfig,
+    serve,
+)
 from nonstop.models.tool_parsers import TOOL_PARSERS
+from nonstop.recipes.config_io import load_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,10 +57,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: ${API_KEY_ENV} if set, else no key)")
     parser.add_argument("--model-name", default=None,
                         help="the model id clients send (default: the directory's name)")
-    parser.add_argument("--max-slots", type=int, default=8,
-                        help="sequences decoded together (default 8)")
-    parser.add_argument("--max-len", type=int, default=2048,
-                        help="context per sequence, prompt plus generation (default 2048)")
+    parser.add_argument("--max-slots", type=int, default=DEFAULT_MAX_SLOTS,
+                        help=f"sequences decoded together (default {DEFAULT_MAX_SLOTS})")
+    parser.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
+                        help=f"context per sequence, prompt plus generation (default "
+                             f"{DEFAULT_MAX_LEN})")
     parser.add_argument("--dtype", choices=typing.get_args(Dtype), default="float32",
                         help="compute dtype (default float32)")
     parser.add_argument("--tool-parser", choices=TOOL_PARSERS, default=None,
@@ -58,6 +73,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-weight-update", choices=("continue", "abort"), default="continue",
                         help="requests running when a trainer posts new weights: continue on "
                              "them, or restart on them with their prefix (default continue)")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other EngineConfig field, e.g. prefill_rows=8 or "
+                             "kv_layout=paged (repeatable; applied after the flags above)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -65,11 +83,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig the parsed arguments describe (the env var fills a missing API key)."""
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    engine = load_config(EngineConfig, None, [
+        f"max_slots={args.max_slots}", f"max_len={args.max_len}",
+        f"on_weight_update={args.on_weight_update}", *args.engine])
     return ServerConfig(model_dir=args.model_dir, host=args.host, port=args.port, api_key=api_key,
-                        model_name=args.model_name, max_slots=args.max_slots,
-                        max_len=args.max_len, dtype=args.dtype, tool_parser=args.tool_parser,
-                        log_level=args.log_level, session_ttl_s=args.session_ttl_s,
-                        on_weight_update=args.on_weight_update)
+                        model_name=args.model_name, engine=engine, dtype=args.dtype,
+                        tool_parser=args.tool_parser, log_level=args.log_level,
+                        session_ttl_s=args.session_ttl_s)
 
 
 def check_checkpoint_dir(model_dir: str) -> None:

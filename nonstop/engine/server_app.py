@@ -24,14 +24,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from nonstop.engine import openai_protocol as wire
-from nonstop.engine.config import WeightUpdateMode
+from nonstop.engine.config import EngineConfig
 from nonstop.engine.openai_protocol import ProtocolError
 from nonstop.engine.server import OpenAIServing
 from nonstop.engine.server_admin import RolloutAdmin
 from nonstop.engine.types import EngineError
 from nonstop.models.tokenizer import Tokenizer
 from nonstop.models.tool_parsers import TOOL_PARSERS
-from nonstop.models.validation import check, check_choice, check_int
+from nonstop.models.validation import check, check_choice
 
 log = logging.getLogger(__name__)
 
@@ -119,41 +119,39 @@ def build_app(serving: OpenAIServing) -> Starlette:
 
 API_KEY_ENV = "NONSTOP_API_KEY"
 Dtype = Literal["float32", "bfloat16"]
+DEFAULT_MAX_SLOTS, DEFAULT_MAX_LEN = 8, 2048  # the engine `nonstop serve` runs unless told
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """What `nonstop serve` runs: a checkpoint directory, where to listen, and the engine's size.
+    """What `nonstop serve` runs: a checkpoint directory, where to listen, and its engine.
 
     `api_key=None` serves without authentication; `model_name=None` names the model after the
-    checkpoint directory; `max_len` is the engine's context (prompt plus generation) per slot;
+    checkpoint directory; `engine`: the engine's whole configuration (slots, context per
+    sequence, KV layout, prefill and decode settings, `on_weight_update`: what requests running
+    when new weights arrive do), its `max_len` clipped to the model's positions;
     `tool_parser=None` picks the parser from the chat template's tool-call syntax, else from the
     model family (none found: `tools` are refused); `session_ttl_s`: sessions opened by
-    requests' `session_id` close after this many seconds idle; `on_weight_update`: what
-    requests running when new weights arrive do (the engine's setting: "continue" on the new
-    weights, or "abort" and restart on them with their prefix)."""
+    requests' `session_id` close after this many seconds idle."""
 
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     model_name: str | None = None
-    max_slots: int = 8
-    max_len: int = 2048
+    engine: EngineConfig = dataclasses.field(default_factory=lambda: EngineConfig(
+        max_slots=DEFAULT_MAX_SLOTS, max_len=DEFAULT_MAX_LEN))
     dtype: Dtype = "float32"
     tool_parser: str | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     session_ttl_s: float = 600.0
-    on_weight_update: WeightUpdateMode = "continue"
 
     def __post_init__(self) -> None:
         owner = "ServerConfig"
-        check_choice(owner, "on_weight_update", self.on_weight_update, WeightUpdateMode)
+        check(isinstance(self.engine, EngineConfig), owner, "engine", self.engine,
+              "an EngineConfig")
         check(isinstance(self.port, int) and 0 <= self.port <= 65535, owner, "port", self.port,
               "an int in [0, 65535]")
-        check_int(owner, "max_slots", self.max_slots)
-        check(isinstance(self.max_len, int) and self.max_len >= 2, owner, "max_len", self.max_len,
-              "an int >= 2 (a prompt token and a generated one)")
         check_choice(owner, "dtype", self.dtype, Dtype)
         check(self.api_key is None or bool(self.api_key), owner, "api_key", self.api_key,
               "None (no authentication) or a non-empty string")
@@ -182,7 +180,6 @@ def serve(config: ServerConfig) -> None:
     import jax.numpy as jnp
     import uvicorn
 
-    from nonstop.engine.config import EngineConfig
     from nonstop.engine.engine import Engine, gc_heap_frozen
     from nonstop.engine.scoring import Scorer
     from nonstop.models import Decoder, load_pretrained
@@ -192,14 +189,15 @@ def serve(config: ServerConfig) -> None:
     started = time.perf_counter()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = load_pretrained(model_dir, dtype=getattr(jnp, config.dtype))
-    max_len = min(config.max_len, model.cfg.max_position_embeddings)
+    engine_config = dataclasses.replace(
+        config.engine, max_len=min(config.engine.max_len, model.cfg.max_position_embeddings))
+    max_len = engine_config.max_len
     # Said once the checkpoint has loaded: a directory that fails to load is one error line.
     _say(f"loaded {model_dir} ({model.cfg.family}, {config.dtype}) in "
          f"{time.perf_counter() - started:.1f} s; compiling the engine "
-         f"(max_slots={config.max_slots}, max_len={max_len}) ...")
-    engine = Engine(model, EngineConfig(max_slots=config.max_slots, max_len=max_len,
-                                        on_weight_update=config.on_weight_update),
-                    tokenizer=tokenizer)
+         f"(max_slots={engine_config.max_slots}, max_len={max_len}, "
+         f"kv_layout={engine_config.kv_layout}) ...")
+    engine = Engine(model, engine_config, tokenizer=tokenizer)
     compile_start = time.perf_counter()
     engine.start()  # compiles before the port opens, so /health answering means ready
     tool_parser = config.tool_parser or parser_name_for(_chat_template_source(tokenizer),
@@ -229,4 +227,5 @@ def serve(config: ServerConfig) -> None:
         engine.close()
 
 
-__all__ = ["API_KEY_ENV", "Dtype", "ServerConfig", "build_app", "serve"]
+__all__ = ["API_KEY_ENV", "DEFAULT_MAX_LEN", "DEFAULT_MAX_SLOTS", "Dtype", "ServerConfig", "build_app",
+           "serve"]

@@ -220,6 +220,50 @@ def test_serve_bad_directories_are_one_line(tmp_path, capsys):
     assert "port" in line and "70000" in line and "65535" in line, line
 
 
+def test_serve_engine_settings_reach_its_engine_config_and_bad_ones_are_one_line(capsys):
+    import argparse
+
+    from nonstop.cli import serve as serve_cli
+    from nonstop.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    serve_cli._add_arguments(parser)
+    args = parser.parse_args(["ckpt", "--max-slots", "16", "--max-len", "96", "--engine",
+                              "prefill_rows=8", "--engine", "prefill_chunks=[16, 64]",
+                              "--engine", "kv_layout=paged", "--on-weight-update", "abort"])
+    assert serve_cli.config_from_args(args).engine == EngineConfig(
+        max_slots=16, max_len=96, prefill_rows=8, prefill_chunks=(16, 64), kv_layout="paged",
+        on_weight_update="abort")
+    default = serve_cli.config_from_args(parser.parse_args(["ckpt"])).engine
+    assert (default.max_slots, default.max_len) == (8, 2048)
+    for setting, words in (("prefill_rows=many", ("prefill_rows", "many", "int")),
+                           ("bogus=1", ("unknown config key 'bogus'", "prefill_rows")),
+                           ("max_slots=0", ("max_slots=0", ">= 1"))):
+        assert main(["serve", "ckpt", "--engine", setting]) == 2
+        line = single_error_line(capsys, "nonstop serve")
+        assert all(word in line for word in words), line
+
+
+def test_benchmark_servers_run_the_engine_config_they_are_given():
+    """bench.remote_servers turns an EngineConfig into serve flags that rebuild it exactly."""
+    import argparse
+
+    from bench.remote_servers import engine_flags
+    from nonstop.cli import serve as serve_cli
+    from nonstop.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    serve_cli._add_arguments(parser)
+    for engine in (EngineConfig(max_slots=64, max_len=72),
+                   EngineConfig(max_slots=64, max_len=72, prefill_chunks=(16, 64), decode_buckets=4,
+                                prefill_rows=8, pipeline_depth=3, parked_slots=2048,
+                                swap_space_gib=0.5, cache_dtype="bfloat16", seed=7),
+                   EngineConfig(max_slots=128, max_len=512, kv_layout="paged", block_size=32,
+                                kv_cache_tokens=16384, prefix_cache=False)):
+        args = parser.parse_args(["ckpt", *engine_flags(engine)])
+        assert serve_cli.config_from_args(args).engine == engine
+
+
 def test_serve_malformed_checkpoint_is_one_line(tmp_path, capsys):
     from tests.models.tokenizer_fixtures import build_tiny_tokenizer
 

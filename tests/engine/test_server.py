@@ -388,8 +388,8 @@ def test_bad_requests_get_400_while_a_good_request_succeeds(server: str):
     ("kwargs", "message"),
     [
         ({"port": 65536}, r"^ServerConfig\.port=65536 is invalid; expected an int in \[0, 65535\]$"),
-        ({"max_slots": 0}, r"^ServerConfig\.max_slots=0 is invalid; expected an int >= 1$"),
-        ({"max_len": 1}, r"^ServerConfig\.max_len=1 is invalid; expected an int >= 2 "),
+        ({"engine": {"max_slots": 0}},
+         r"^ServerConfig\.engine=\{'max_slots': 0\} is invalid; expected an EngineConfig$"),
         ({"dtype": "float16"},
          r"^ServerConfig\.dtype='float16' is invalid; expected one of 'float32', 'bfloat16'$"),
         ({"api_key": ""}, r"^ServerConfig\.api_key='' is invalid; expected None "),
