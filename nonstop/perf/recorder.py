@@ -110,10 +110,17 @@ class Recorder:
         self._capacity = config.capacity
         self._ring: collections.deque[RawEvent] = collections.deque(maxlen=config.capacity)
         self._lock = threading.Lock()
+        # Thread names taken by each thread at its first event: a thread that ends before the
+        # flusher drains its events keeps its name. Thread-local, so a reused ident re-registers.
+        self._named = threading.local()
+        self.thread_names: dict[int, str] = {}
 
     def append(self, head: RawEvent, tags: dict[str, Any]) -> None:
         """Buffer one event: its 11 fixed fields, then its tags flattened (`RawEvent`)."""
         raw = head + (*tags, *tags.values()) if tags else head
+        if not getattr(self._named, "done", False):
+            self._named.done = True
+            self.thread_names[head[6]] = threading.current_thread().name
         with self._lock:
             if len(self._ring) == self._capacity:
                 self.dropped += 1
@@ -207,9 +214,10 @@ class _Run(threading.Thread):
         lines = []
         for raw in raws:
             tid = raw[6]
-            if tid not in self._threads:
-                self._threads[tid] = _thread_name(tid)
-                lines.append(encode_line({"ph": "T", "tid": tid, "name": self._threads[tid]}))
+            name = self.recorder.thread_names.get(tid) or _thread_name(tid)
+            if self._threads.get(tid) != name:  # a new thread, or a new one on a reused ident
+                self._threads[tid] = name
+                lines.append(encode_line({"ph": "T", "tid": tid, "name": name}))
             event = self.recorder.to_event(raw)
             self.totals.add(event)
             if event.ph == "C" and event.t0 < self._window_start:

@@ -116,6 +116,25 @@ def _read_tensorboard(logdir) -> dict[str, list[float]]:
     return out
 
 
+def test_a_thread_that_ends_before_the_flush_keeps_its_name(fresh, tmp_path):
+    """Names are taken when a thread records, not when the flusher drains: the CI failure was
+    a worker thread gone by the first flush, written as `thread-<ident>`."""
+    fresh()
+    cfg = perf.PerfConfig(flush_interval_s=3600, write_trace=False, tensorboard=False)
+    with perf.run(tmp_path, cfg):
+        both_alive = threading.Barrier(2)  # alive together, so their idents differ
+
+        def work() -> None:
+            both_alive.wait()
+            _engine(1)
+
+        workers = [threading.Thread(target=work, name=n) for n in ("short-a", "short-b")]
+        [w.start() for w in workers], [w.join() for w in workers]  # gone before any flush
+        perf.count(perf.ROLLOUT_EPISODES)
+    names = perf.read_events(str(tmp_path)).thread_names
+    assert sorted(names.values()) == sorted(["short-a", "short-b", threading.current_thread().name])
+
+
 def test_full_ring_drops_are_exported(fresh, tmp_path):
     fresh()
     cfg = perf.PerfConfig(capacity=16, flush_interval_s=30.0, tensorboard=False)
