@@ -14,7 +14,7 @@ slots busy) against its matmul-only floor (the same step's projections, MLPs and
 attention, no cache, no sampling). Medians over --repeats; compiles after warm-up are counted.
 
     python -m bench.engine [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
-                           [--decode-buckets 4]
+                           [--decode-buckets 1]
 
 Paged against dense KV cache (`--layouts`, one run, side by side; JSON rows "engine_layout"):
 - memory: the workload above (max_len 512) all at once with the KV capacity of a dense cache
@@ -372,8 +372,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--decode-buckets", type=int, default=4,
-                        help="EngineConfig.decode_buckets (1: batch-invariant, the default)")
+    parser.add_argument("--decode-buckets", type=int, default=1,
+                        help="EngineConfig.decode_buckets (1, the engine's default: attend over "
+                             "the whole cache; on CPU faster here than 4, docs/engine.md)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads for the baseline (default: torch's own)")
     parser.add_argument("--layouts", action="store_true",
