@@ -214,7 +214,7 @@ class _Run(threading.Thread):
         lines = []
         for raw in raws:
             tid = raw[6]
-            name = self.recorder.thread_names.get(tid) or _thread_name(tid)
+            name = self.recorder.thread_names[tid]  # registered by its first append
             if self._threads.get(tid) != name:  # a new thread, or a new one on a reused ident
                 self._threads[tid] = name
                 lines.append(encode_line({"ph": "T", "tid": tid, "name": name}))
@@ -281,13 +281,6 @@ class _Run(threading.Thread):
             written=self.written,
             dropped=self.recorder.dropped,
         )
-
-
-def _thread_name(tid: int) -> str:
-    for thread in threading.enumerate():
-        if thread.ident == tid:
-            return thread.name
-    return f"thread-{tid}"
 
 
 def _set_aside(path: str) -> None:
