@@ -66,6 +66,30 @@ class SlowCalculatorEnv(CalculatorEnv):
         return await super().step(action)
 
 
+class GatedCalculatorEnv(CalculatorEnv):
+    """A calculator whose every step waits until the file `gate` exists: a tool that answers only
+    when the test says so, so that a test can act while episodes are inside their step however
+    fast or slow the machine is (a fixed delay left a window that a loaded machine could miss)."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__(CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1))
+        self.gate = Path(gate)
+
+    async def step(self, action: AgentAction) -> StepResult:
+        while not self.gate.exists():
+            await asyncio.sleep(0.02)
+        return await super().step(action)
+
+
+async def _wait_until(condition, run: asyncio.Task, what: str, timeout_s: float = 120.0) -> None:
+    """Poll the async `condition` until it holds; fail if `run` ended first or time runs out."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert not run.done(), f"the run ended before {what}"
+        assert asyncio.get_running_loop().time() < deadline, f"{what} did not happen in {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     assert init_ray(RayEnvConfig(), num_cpus=2, log_to_driver=False)
@@ -178,20 +202,23 @@ def test_an_actor_runs_at_most_max_concurrency_calls(local_ray):
     assert stats["max_active"] == 2 and stats["calls"] == 12
 
 
-def test_a_killed_actor_fails_its_episodes_and_the_run_goes_on(local_ray, recipe):
-    factory = functools.partial(SlowCalculatorEnv, 2.0)
+def test_a_killed_actor_fails_its_episodes_and_the_run_goes_on(local_ray, recipe, tmp_path):
+    gate = tmp_path / "gate"
+    factory = functools.partial(GatedCalculatorEnv, str(gate))
     with RayEnvironmentPool(factory, RayEnvConfig(num_actors=2, max_concurrency=8,
                                                   **SMALL_ACTORS)) as pool:
         orchestrator = _orchestrator(recipe, pool.environment, concurrency=8)
         first_actor = pool.actors[0]
 
+        async def all_inside_their_step():
+            return [s["active"] for s in await pool.stats()] == [4, 4]
+
         async def run_and_kill():
             run = asyncio.create_task(orchestrator.run_groups([0, 1]))
-            # Wait until all 8 episodes are inside their (2 s) step, 4 on each actor.
-            while [s["active"] for s in await pool.stats()] != [4, 4]:
-                assert not run.done(), "episodes ended before the actor was killed"
-                await asyncio.sleep(0.05)
+            # All 8 episodes wait inside their step at the gate, 4 on each actor.
+            await _wait_until(all_inside_their_step, run, "all 8 episodes were inside a step")
             ray.kill(first_actor)
+            gate.touch()  # actor 1's episodes answer and end
             return await run
 
         first = asyncio.run(run_and_kill())
@@ -217,26 +244,31 @@ def test_a_killed_actor_fails_its_episodes_and_the_run_goes_on(local_ray, recipe
         assert all(s["calls"] >= 4 * 3 for s in stats)  # reset, step, final reward each
 
 
-def test_a_killed_actor_mid_training_drops_its_groups_and_training_goes_on(local_ray, recipe):
+def test_a_killed_actor_mid_training_drops_its_groups_and_training_goes_on(local_ray, recipe,
+                                                                          tmp_path):
     cfg, tokenizer, engine = recipe
     trainer = PolicyTrainer(build_model(cfg.model, tokenizer, seed=cfg.seed), PolicyTrainerConfig(
         algorithm=cfg.algorithm_config(), optimizer=cfg.optimizer, packing=cfg.packing,
         seed=cfg.seed))
     learner_cfg = StreamingLearnerConfig(groups_per_step=2, max_staleness=1, orchestrator=OrchestratorConfig(
         group_size=2, max_concurrency=8, seed=cfg.seed, agent=agent_config(cfg, tokenizer)))
-    factory = functools.partial(SlowCalculatorEnv, 1.0)
+    gate = tmp_path / "gate"
+    factory = functools.partial(GatedCalculatorEnv, str(gate))
     with RayEnvironmentPool(factory, RayEnvConfig(num_actors=2, max_concurrency=8,
                                                   **SMALL_ACTORS)) as pool:
         learner = StreamingLearner(trainer, engine,
                                    interaction_factory(cfg, tokenizer, "train", pool.environment),
                                    learner_cfg)
 
+        async def an_episode_inside_its_step_on_actor_0():
+            return (await pool.stats())[0]["active"] >= 1
+
         async def train_and_kill():
             run = asyncio.create_task(learner.run(2))
-            while (await pool.stats())[0]["active"] < 1:  # an episode is inside its 1 s step
-                assert not run.done(), "training ended before the actor was killed"
-                await asyncio.sleep(0.02)
+            await _wait_until(an_episode_inside_its_step_on_actor_0, run,
+                              "an episode was inside its step on actor 0")
             ray.kill(pool.actors[0])
+            gate.touch()
             return await run
 
         records = asyncio.run(train_and_kill())
