@@ -14,7 +14,7 @@ slots busy) against its matmul-only floor (the same step's projections, MLPs and
 attention, no cache, no sampling). Medians over --repeats; compiles after warm-up are counted.
 
     python -m bench.engine [--out results.jsonl] [--quick] [--repeats 3] [--slots 32]
-                           [--decode-buckets 1]
+                           [--decode-buckets 1] [--keep-host-memory on|off]
 
 Paged against dense KV cache (`--layouts`, one run, side by side; JSON rows "engine_layout"):
 - memory: the workload above (max_len 512) all at once with the KV capacity of a dense cache
@@ -239,7 +239,7 @@ class _PeakInFlight:
 
 
 def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int,
-                block_size: int) -> list[dict[str, object]]:
+                block_size: int, keep_host_memory: bool = True) -> list[dict[str, object]]:
     """The memory and groups comparisons of the paged and dense layouts (module docstring)."""
     rows: list[dict[str, object]] = []
     max_len, dense_slots = 512, 32
@@ -250,7 +250,7 @@ def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int
     for layout, slots in (("dense", dense_slots), ("paged", paged_slots)):
         config = EngineConfig(max_slots=slots, max_len=max_len, prefill_chunks=chunks,
                               kv_layout=layout, kv_cache_tokens=capacity,
-                              block_size=block_size)
+                              block_size=block_size, keep_host_memory=keep_host_memory)
         with Engine(model, config) as engine:
             traces = dict(engine.stats().traces)
             with _PeakInFlight(engine) as peak:
@@ -268,7 +268,8 @@ def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int
     group_len = prompt_len + answer
     for layout in ("dense", "paged"):
         config = EngineConfig(max_slots=G * groups, max_len=group_len, prefill_chunks=chunks,
-                              kv_layout=layout, block_size=block_size)
+                              kv_layout=layout, block_size=block_size,
+                              keep_host_memory=keep_host_memory)
         with Engine(model, config) as engine:
             t = time.perf_counter()
             futures = [engine.submit(p, SamplingParams(temperature=1.0, max_tokens=answer,
@@ -302,7 +303,8 @@ def layout_rows(model: nnx.Module, *, quick: bool, paged_slots: int, groups: int
 
 def vllm_rows(model: nnx.Module, *, python: str, quick: bool, repeats: int,
               slot_counts: tuple[int, ...], decode_buckets: int, vllm_slots: int | None,
-              eager: bool, compare: int = 16) -> list[dict[str, object]]:
+              eager: bool, compare: int = 16,
+              keep_host_memory: bool = True) -> list[dict[str, object]]:
     """nonstop (dense and paged, each slot count) and vLLM on the workload all at once."""
     work = (Workload.make(32, (16, 64), (8, 48)) if quick
             else Workload.make(256, (16, 256), (8, 256)))
@@ -312,7 +314,7 @@ def vllm_rows(model: nnx.Module, *, python: str, quick: bool, repeats: int,
         for slots in slot_counts:
             config = EngineConfig(max_slots=slots, max_len=work.max_len,
                                   prefill_chunks=(16, 64, 256), decode_buckets=decode_buckets,
-                                  kv_layout=layout)
+                                  kv_layout=layout, keep_host_memory=keep_host_memory)
             with Engine(model, config) as engine:
                 traces = dict(engine.stats().traces)
                 reps = [run_engine(engine, work, None) for _ in range(repeats)]
@@ -390,13 +392,17 @@ def main() -> None:
                         help="vLLM with enforce_eager (no torch.compile: faster start)")
     parser.add_argument("--slot-counts", type=int, nargs="+", default=[32, 64],
                         help="nonstop's max_slots in the vLLM comparison")
+    parser.add_argument("--keep-host-memory", choices=("on", "off"), default="on",
+                        help="EngineConfig.keep_host_memory (on, the default: freed host "
+                             "buffers are reused; process-wide, so compare two runs)")
     args = parser.parse_args()
+    keep = args.keep_host_memory == "on"
     if args.vllm_python:
         rows = vllm_rows(init_decoder(CONFIG, seed=0), python=args.vllm_python,
                          quick=args.quick, repeats=args.repeats or 1,
                          slot_counts=tuple(args.slot_counts),
                          decode_buckets=args.decode_buckets, vllm_slots=args.vllm_slots,
-                         eager=args.vllm_eager)
+                         eager=args.vllm_eager, keep_host_memory=keep)
         if args.out is not None:
             with args.out.open("a") as f:
                 for r in rows:
@@ -405,7 +411,7 @@ def main() -> None:
     if args.layouts:
         rows = layout_rows(init_decoder(CONFIG, seed=0), quick=args.quick,
                            paged_slots=args.paged_slots, groups=args.groups,
-                           block_size=args.block_size)
+                           block_size=args.block_size, keep_host_memory=keep)
         if args.out is not None:
             with args.out.open("a") as f:
                 for r in rows:
@@ -437,7 +443,9 @@ def main() -> None:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None)
-    engine = Engine(ours, EngineConfig(max_slots=args.slots, max_len=work.max_len, prefill_chunks=(16, 64, 256), prefill_budget=256, decode_buckets=args.decode_buckets))
+    engine = Engine(ours, EngineConfig(
+        max_slots=args.slots, max_len=work.max_len, prefill_chunks=(16, 64, 256),
+        prefill_budget=256, decode_buckets=args.decode_buckets, keep_host_memory=keep))
     t = time.perf_counter()
     engine.start()
     print(f"engine warm-up (compilation) {time.perf_counter() - t:.1f}s; "

@@ -63,6 +63,10 @@ class EngineConfig:
     on_weight_update: "continue" keeps in-flight sequences going on the new weights (each token
         records its version); "abort" restarts them on the new weights.
     seed: the engine's stream of seeds for requests that bring none.
+    keep_host_memory: on the CPU backend, make the C library keep freed memory and serve large
+        buffers from its heap, so each step's temporaries reuse mapped pages instead of
+        faulting in fresh ones (`host_memory.py`); process-wide, and resident memory stays at
+        its peak. No effect on other backends.
     """
 
     max_slots: int = 8
@@ -82,6 +86,7 @@ class EngineConfig:
     parked_slots: int = 0
     on_weight_update: WeightUpdateMode = "continue"
     seed: int = 0
+    keep_host_memory: bool = True
 
     def __post_init__(self) -> None:
         owner = "EngineConfig"
@@ -104,8 +109,9 @@ class EngineConfig:
               self.seed, "an int")
         check_choice(owner, "kv_layout", self.kv_layout, KVLayout)
         check_int(owner, "block_size", self.block_size, low=1)
-        check(isinstance(self.prefix_cache, bool), owner, "prefix_cache", self.prefix_cache,
-              "true or false")
+        for name in ("prefix_cache", "keep_host_memory"):
+            check(isinstance(getattr(self, name), bool), owner, name, getattr(self, name),
+                  "true or false")
         if self.kv_cache_tokens is not None:
             check_int(owner, "kv_cache_tokens", self.kv_cache_tokens,
                       low=-(-self.max_len // self.block_size) * self.block_size)

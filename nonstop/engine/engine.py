@@ -30,6 +30,7 @@ import random
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -37,6 +38,7 @@ from jax.sharding import Mesh
 
 from nonstop.engine.config import EngineConfig
 from nonstop.engine.device import DeviceSteps
+from nonstop.engine.host_memory import keep_freed_host_memory
 from nonstop.engine.images import check_image_prompt
 from nonstop.engine.requests import Detokenizer, Request, Resolve, Session
 from nonstop.engine.sampling import SamplingParams, check_stop_ids, seed32
@@ -129,6 +131,9 @@ class Engine:
                  tokenizer: Detokenizer | None = None, policy_version: int = 0,
                  mesh: Mesh | None = None) -> None:
         self.config = config or EngineConfig()
+        platform = (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+        if self.config.keep_host_memory and platform == "cpu":
+            keep_freed_host_memory()
         self.model_config = model.cfg
         self.tokenizer = tokenizer
         dtype = None if self.config.cache_dtype is None else jnp.dtype(self.config.cache_dtype)
