@@ -44,11 +44,12 @@ def _mallopt_all(settings: tuple[tuple[int, int], ...]) -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only: musl has no mallopt knobs
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del gnu_get_libc_version
+    # glibc only: other C libraries have no such knobs (musl's mallopt does nothing).
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in settings)
