@@ -34,11 +34,11 @@ def keep_freed_host_memory() -> bool:
     global _applied
     with _lock:
         if _applied is None:
-            _applied = _mallopt_all(((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)))
+            _applied = _keep_freed_memory()
         return _applied
 
 
-def _mallopt_all(settings: tuple[tuple[int, int], ...]) -> bool:
+def _keep_freed_memory() -> bool:
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -49,7 +49,8 @@ def _mallopt_all(settings: tuple[tuple[int, int], ...]) -> bool:
     # glibc only: other C libraries have no such knobs (musl's mallopt does nothing).
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
-    mallopt = libc.mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in settings)
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    libc.mallopt.restype = ctypes.c_int
+    # 1 is mallopt's success; both must hold for the pages to be kept.
+    return (libc.mallopt(_M_MMAP_MAX, 0) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1)

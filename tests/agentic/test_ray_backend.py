@@ -54,11 +54,14 @@ SMALL_ACTORS = dict(num_cpus_per_actor=0.25)  # 2 shared CPUs: actors mostly wai
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+SMALL_TASK = CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1)
+
+
 class SlowCalculatorEnv(CalculatorEnv):
     """A calculator whose every step first waits `delay_s` (a slow tool, in effect)."""
 
     def __init__(self, delay_s: float) -> None:
-        super().__init__(CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1))
+        super().__init__(SMALL_TASK)
         self.delay_s = delay_s
 
     async def step(self, action: AgentAction) -> StepResult:
@@ -72,7 +75,7 @@ class GatedCalculatorEnv(CalculatorEnv):
     fast or slow the machine is (a fixed delay left a window that a loaded machine could miss)."""
 
     def __init__(self, gate: str) -> None:
-        super().__init__(CalculatorConfig(max_operand=20, ops=("+", "-"), num_steps=1))
+        super().__init__(SMALL_TASK)
         self.gate = Path(gate)
 
     async def step(self, action: AgentAction) -> StepResult:
