@@ -1,8 +1,8 @@
 """`nonstop demo`: train a tiny model from scratch into a calculator-using agent on a CPU.
 
-SFT on generated tool-use demonstrations, then agentic GRPO with asynchronous rollouts; prints
-the solve rate before and after RL, the engine busy fraction, and where the run directory, the
-TensorBoard logs and the Perfetto trace are. See nonstop/recipes/demo.py.
+SFT on generated demonstrations (half call the calculator, half answer without it), then agentic
+GRPO with asynchronous rollouts; prints the held-out solve rate before and after RL, the engine
+busy fraction, and where the run directory, the TensorBoard logs and the Perfetto trace are. See nonstop/recipes/demo.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--quick", action="store_true", help="a shortened run (about a minute)")
     parser.add_argument("--sft-steps", type=int, default=None)
     parser.add_argument("--rl-steps", type=int, default=None)
+    parser.add_argument("--rl-learning-rate", type=float, default=None)
+    parser.add_argument("--tool-demo-fraction", type=float, default=None,
+                        help="the share of SFT demonstrations that call the calculator "
+                             "(default 0.5; the rest answer without it)")
     parser.set_defaults(run=run)
     return parser
 
@@ -26,7 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from nonstop.recipes.demo import DemoConfig, run_demo
 
     cfg = DemoConfig.quick(args.run_dir) if args.quick else DemoConfig(run_dir=args.run_dir)
-    changes = {k: v for k, v in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps))
+    changes = {k: v for k, v in (("sft_steps", args.sft_steps), ("rl_steps", args.rl_steps),
+                                 ("rl_learning_rate", args.rl_learning_rate),
+                                 ("tool_demo_fraction", args.tool_demo_fraction))
                if v is not None}
     cfg = dataclasses.replace(cfg, **changes)
     s = run_demo(cfg)

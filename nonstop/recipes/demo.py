@@ -1,13 +1,17 @@
 """The main job behind `nonstop demo`: train a tiny model from scratch into a calculator-using
 agent on a CPU, end to end, with nothing downloaded.
 
-1. Generate tool-use demonstrations from `CalculatorEnv` (word problem → `calculator` tool call →
-   tool result → final number) and run supervised fine-tuning on them (`nonstop.sft.train`,
-   character tokenizer, Qwen chat format).
-2. Measure the greedy solve rate on held-out problems through the real agent loop (engine,
-   tool-call parser, calculator tool).
+1. Generate demonstrations of training-split problems from `CalculatorEnv` and run supervised
+   fine-tuning on them (`nonstop.sft.train`, character tokenizer, Qwen chat format). Like data
+   gathered from several sources, they disagree on how to answer: half call the `calculator`
+   tool (word problem -> tool call -> tool result -> final number), half state the number at
+   once. The SFT model learns both and, for a given problem, picks either.
+2. Measure the greedy solve rate and pass@k on held-out problems through the real agent loop
+   (engine, tool-call parser, calculator tool).
 3. Agentic GRPO with asynchronous rollouts: the `StreamingLearner` keeps episodes in flight
-   while it trains, with bounded staleness.
+   while it trains, with bounded staleness. The reward is the right final number, however it
+   was reached: RL finds that the calculator pays (a tiny model's mental arithmetic rarely
+   does) and makes calling it the policy.
 4. Measure the solve rate again; report the engine busy fraction and where the run directory,
    TensorBoard logs and the Perfetto trace are.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +35,10 @@ from nonstop.agentic.envs import CalculatorEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.engine import EngineConfig
 from nonstop.models import Decoder, Tokenizer
+from nonstop.models.chat import Message
 from nonstop.models.char_tokenizer import char_tokenizer
 from nonstop.models.source import ModelSource, TokenizerSource
+from nonstop.models.validation import check
 from nonstop.recipes.agentic_recipe import (
     AgenticRunConfig,
     EnvSettings,
@@ -48,8 +55,12 @@ class DemoConfig:
     run_dir: str = "runs/demo"
     seed: int = 0
     max_operand: int = 20
-    sft_steps: int = 550  # the model learns to copy numbers into tool calls at ~500-600
+    sft_steps: int = 900  # it copies numbers into tool calls and answers from ~600-800 on
     sft_learning_rate: float = 3e-3
+    # The share of demonstrations that call the calculator; the rest answer without it. At 1.0
+    # every demonstration calls it, and RL is left only the copying errors of a model still
+    # learning to copy (SFT teaches those faster, docs/agentic.md).
+    tool_demo_fraction: float = 0.5
     rl_steps: int = 40
     rl_learning_rate: float = 1e-4
     group_size: int = 8
@@ -61,6 +72,11 @@ class DemoConfig:
     hidden_size: int = 128
     num_layers: int = 3
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        fraction = self.tool_demo_fraction
+        check(type(fraction) in (int, float) and 0 <= fraction <= 1, "DemoConfig",
+              "tool_demo_fraction", fraction, "a float in [0, 1]")
 
     @classmethod
     def quick(cls, run_dir: str) -> DemoConfig:
@@ -93,18 +109,28 @@ class DemoConfig:
             engine=EngineConfig(max_slots=self.max_concurrency, max_len=512))
 
 
-def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: int) -> None:
+def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: int,
+                         tool_fraction: float = 1.0) -> None:
+    """`n` demonstrations of training-split problems: a share `tool_fraction` call the
+    calculator, the rest state the answer at once (drawn per problem from `seed`)."""
     env = CalculatorEnv(env_cfg)
+    choice = random.Random(seed)
     with path.open("w") as f:
         for i in range(n):
-            messages = [m.to_dict() for m in env.demonstration(env.sample_task(seed + i))]
-            f.write(json.dumps({"messages": messages}) + "\n")
+            task = env.sample_task(seed + i)
+            if choice.random() < tool_fraction:
+                messages = env.demonstration(task)
+            else:
+                messages = [Message.system(env.system_prompt), Message.user(task.prompt),
+                            Message.assistant(task.answer)]
+            f.write(json.dumps({"messages": [m.to_dict() for m in messages]}) + "\n")
 
 
 def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer) -> Decoder:
     data = Path(cfg.run_dir) / "sft_data.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
     write_demonstrations(data, CalculatorConfig(max_operand=cfg.max_operand), n=4000,
-                         seed=cfg.seed)
+                         seed=cfg.seed, tool_fraction=cfg.tool_demo_fraction)
     sft = SFTRunConfig(
         run_dir=str(Path(cfg.run_dir) / "sft"), steps=cfg.sft_steps, seed=cfg.seed,
         model=cfg.model_source(), tokenizer=TokenizerSource(kind="char", chat_format="qwen"),

@@ -54,12 +54,10 @@ def test_the_local_backend_builds_the_in_process_engine():
 def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
     """The shortened calculator recipe (tests/recipes/test_agentic_learning.py) with vLLM doing
     the rollouts and the evaluation: its greedy solve rate before training is the in-process
-    engine's on the same weights, and training raises the share of training episodes solved
-    (mean of the last 10 steps against the first 10), as with the in-process engine."""
-    demo = DemoConfig(
-        run_dir=str(tmp_path), rl_steps=40, rl_learning_rate=1e-4, max_staleness=0, pass_k=0,
-        progress=False,
-    )
+    engine's on the same weights, and training raises the greedy solve rate on the held-out
+    problems by 20 points, as with the in-process engine."""
+    demo = DemoConfig(run_dir=str(tmp_path), rl_steps=30, max_staleness=0, pass_k=0,
+                      progress=False)
     cfg = dataclasses.replace(
         demo.agentic(),
         learner="streaming",
@@ -74,10 +72,8 @@ def test_agentic_grpo_on_vllm_raises_solve_rate(tmp_path):
     summary = run_agentic(cfg, model=load_pretrained(FIXTURE), progress=False)
     print(summary)
     assert summary["solve_rate_before"] == pytest.approx(local_before)
-    assert summary["steps"] == 40
-    solved = np.asarray([json.loads(line)["solved"] for line in
-                         (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()])
-    assert solved[-10:].mean() >= solved[:10].mean() + 0.05, solved.round(3).tolist()
+    assert summary["steps"] == 30
+    assert summary["solve_rate_after"] >= summary["solve_rate_before"] + 0.20, summary
 
 
 # ---------------------------------------------------------------- remote servers

@@ -5,6 +5,7 @@ however many are drawn, and the recipes evaluate on the eval side and train on t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -172,11 +173,22 @@ def test_the_demo_never_trains_on_a_problem_it_evaluates(tmp_path: Path) -> None
 
     demo = DemoConfig(run_dir=str(tmp_path))
     data = tmp_path / "sft.jsonl"
-    write_demonstrations(data, CalculatorConfig(max_operand=demo.max_operand), n=4000, seed=0)
-    demonstrated = {call["function"]["arguments"]["expression"]
-                    for line in data.read_text().splitlines()
-                    for message in json.loads(line)["messages"]
-                    for call in message.get("tool_calls") or ()}
+    write_demonstrations(data, CalculatorConfig(max_operand=demo.max_operand), n=4000, seed=0,
+                         tool_fraction=demo.tool_demo_fraction)
+    # Every demonstration's arithmetic, read back from its word problem ("Tom has 7 pens and
+    # gets 12 more"); a demonstration that calls the calculator calls it on exactly that.
+    story = re.compile(r"has (\d+) \w+ and (gets|gives away) (\d+)")
+    demonstrated, with_tool = set(), 0
+    for line in data.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        start, verb, operand = story.search(messages[1]["content"]).groups()
+        expression = f"{start} {'+' if verb == 'gets' else '-'} {operand}"
+        demonstrated.add(expression)
+        calls = [call["function"]["arguments"]["expression"]
+                 for message in messages for call in message.get("tool_calls") or ()]
+        assert calls in ([], [expression])
+        with_tool += bool(calls)
+    assert 1800 < with_tool < 2200  # half of the 4,000 call the calculator
     cfg = demo.agentic()
     make = {split: interaction_factory(cfg, char_tokenizer("qwen"), split)
             for split in ("train", "eval")}

@@ -1,13 +1,15 @@
-"""Agentic GRPO raises a calculator agent's solve rate on its training problems (shortened
+"""Agentic GRPO raises a calculator agent's greedy solve rate on held-out problems (shortened
 recipe).
 
-Starts from `tests/fixtures/calculator_sft` (`nonstop demo`'s warm-up: 550 SFT steps on
-demonstrations of training-split problems) and runs the demo's RL phase through the orchestrator
-and the streaming learner; `max_staleness=0` makes the run deterministic. The share of each
-step's 64 episodes that solve their problem rises (mean of the last 10 of 30 steps against the
-first 10; measured 0.227 -> 0.323 here, 0.23 -> 0.34 over the 40 steps of `nonstop demo`). The greedy solve rate on the
-held-out problems does not rise on this small task (34.4% -> 28.1% in `nonstop demo`): the
-model's errors are miscopied numbers, which these steps do not teach; see docs/agentic.md.
+Starts from `tests/fixtures/calculator_sft` (`nonstop demo`'s warm-up: 900 SFT steps on
+demonstrations of training-split problems, half of which call the calculator while the other
+half state the answer without it) and runs the demo's RL phase, 30 steps instead of 40, through
+the orchestrator and the streaming learner; `max_staleness=0` makes the run deterministic. The
+SFT model answers some held-out problems with the calculator and the rest without it, and its
+mental arithmetic is mostly wrong; GRPO learns from the reward that the calculator pays, so the
+greedy solve rate on the 64 held-out problems (none of them trained on, tests/agentic/
+test_splits.py) rises by more than the issue's 20 points, and the episodes get longer as every
+one of them calls the tool.
 """
 
 from __future__ import annotations
@@ -27,14 +29,19 @@ FIXTURE = Path(__file__).parent.parent / "fixtures" / "calculator_sft"
 
 
 @pytest.mark.slow
-def test_agentic_grpo_raises_the_training_solve_rate(tmp_path):
-    demo = DemoConfig(run_dir=str(tmp_path), rl_steps=30, rl_learning_rate=1e-4,
-                      max_staleness=0, pass_k=0, progress=False)
+def test_agentic_grpo_raises_the_held_out_solve_rate(tmp_path):
+    demo = DemoConfig(run_dir=str(tmp_path), rl_steps=30, max_staleness=0, pass_k=0,
+                      progress=False)
     cfg = dataclasses.replace(demo.agentic(), learner="streaming")
     summary = run_agentic(cfg, model=load_pretrained(FIXTURE), progress=False)
-    assert summary["solve_rate_before"] == pytest.approx(0.34375)  # 22 of 64 held out
+    print(summary)
+    assert summary["solve_rate_before"] == pytest.approx(36 / 64)
+    assert summary["solve_rate_after"] >= summary["solve_rate_before"] + 0.20
     steps = [json.loads(line)
              for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == list(range(1, 31))
     solved = np.asarray([m["solved"] for m in steps])
-    assert solved[-10:].mean() >= solved[:10].mean() + 0.05, solved.round(3).tolist()
+    assert solved[-10:].mean() >= solved[:10].mean() + 0.2, solved.round(3).tolist()
+    # the sampled tokens per episode grow as the direct answers give way to tool calls
+    length = np.asarray([m["completion_tokens"] for m in steps])
+    assert length[-10:].mean() > 1.5 * length[:10].mean(), length.round(1).tolist()
