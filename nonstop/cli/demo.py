@@ -2,7 +2,8 @@
 
 SFT on generated demonstrations (half call the calculator, half answer without it), then agentic
 GRPO with asynchronous rollouts; prints the held-out solve rate before and after RL, the engine
-busy fraction, and where the run directory, the TensorBoard logs and the Perfetto trace are. See nonstop/recipes/demo.py.
+busy fraction, and where the run directory, the TensorBoard logs and the Perfetto trace are.
+See nonstop/recipes/demo.py.
 """
 
 from __future__ import annotations

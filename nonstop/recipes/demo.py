@@ -35,8 +35,8 @@ from nonstop.agentic.envs import CalculatorEnv
 from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.engine import EngineConfig
 from nonstop.models import Decoder, Tokenizer
-from nonstop.models.chat import Message
 from nonstop.models.char_tokenizer import char_tokenizer
+from nonstop.models.chat import Message
 from nonstop.models.source import ModelSource, TokenizerSource
 from nonstop.models.validation import check
 from nonstop.recipes.agentic_recipe import (

@@ -47,7 +47,7 @@ def test_the_tool_demo_fraction_is_validated_and_shapes_the_demonstrations(tmp_p
         demos = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
         # system, user, then either the call, the tool's result and the answer, or the answer
         kinds[fraction] = [[m["role"] for m in d[2:]] for d in demos]
-        for demo, roles in zip(demos, kinds[fraction]):
+        for demo, roles in zip(demos, kinds[fraction], strict=True):
             assert roles in (["assistant"], ["assistant", "tool", "assistant"])
             assert demo[-1]["content"] and demo[-1]["content"].lstrip("-").isdigit()
     assert all(len(r) == 1 for r in kinds[0.0]) and all(len(r) == 3 for r in kinds[1.0])
