@@ -1,8 +1,11 @@
 """`nonstop agentic --config NAME|FILE.yaml [key.sub=value ...]`: agentic RL with tools.
 
 The config is an `AgenticRunConfig` (nonstop/recipes/agentic_recipe.py). `nonstop configs` lists
-the shipped configs (the agentic_* ones run here); `--config` takes one's name or a YAML file:
+the shipped configs (the agentic_* ones run here); `--config` takes one's name or a YAML file.
+Without one it runs `agentic_calculator`: `nonstop demo`'s tiny model from scratch, an SFT
+warm-up on the calculator's demonstrations, then 40 GRPO steps that raise its held-out solve rate:
 
+    nonstop agentic
     nonstop agentic --config agentic_calculator_tiny
     nonstop agentic --config agentic_calculator_qwen3_0_6b model.path=/ckpt/Qwen3-0.6B
 
@@ -28,13 +31,14 @@ from nonstop.cli.config_command import (
 
 STOPPED_EXIT = 128 + 15  # stopped by SIGTERM, checkpoint written
 COMMAND = "nonstop agentic"
+DEFAULT_CONFIG = "agentic_calculator"  # what no --config runs: `nonstop demo`'s, warm-up first
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return add_config_command(subparsers, "agentic", help="agentic RL with tools and async "
                               "rollouts", description=__doc__,
                               config_class="nonstop.recipes.agentic_recipe:AgenticRunConfig",
-                              run=run, resume=True)
+                              run=run, resume=True, default_config=DEFAULT_CONFIG)
 
 
 def run(args: argparse.Namespace) -> int:

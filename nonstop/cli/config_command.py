@@ -113,15 +113,20 @@ def resolve_config(value: str | None) -> str | None:
 def add_config_command(subparsers: argparse._SubParsersAction, name: str, *, help: str,
                        description: str, config_class: str,
                        run: Callable[[argparse.Namespace], int],
-                       resume: bool = False) -> argparse.ArgumentParser:
+                       resume: bool = False,
+                       default_config: str | None = None) -> argparse.ArgumentParser:
     """Register subcommand `name` driven by `config_class` ("module:Class", imported only when
-    `--help` lists its keys or `run` loads it); `resume`: with `--resume RUN_DIR`."""
+    `--help` lists its keys or `run` loads it); `resume`: with `--resume RUN_DIR`;
+    `default_config`: the shipped config that an omitted `--config` means (None: the class's
+    defaults)."""
     class_name = config_class.rpartition(":")[2]
     parser = subparsers.add_parser(name, help=help, description=description,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    omitted = (f"the shipped {default_config!r}" if default_config is not None
+               else "all defaults")
     parser.add_argument("--config", metavar="NAME|FILE.yaml", default=None,
                         help=f"a YAML file or a shipped config's name (an {class_name}; "
-                             "`nonstop configs` lists them); omitted: all defaults")
+                             f"`nonstop configs` lists them); omitted: {omitted}")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (file, then overrides) as YAML and exit "
                              "without building anything")
@@ -132,7 +137,7 @@ def add_config_command(subparsers: argparse._SubParsersAction, name: str, *, hel
                                  " the same as rerunning its command")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="dotted overrides applied after the file, values parsed as YAML")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, default_config=default_config)
     # The key list needs the config class, whose module imports JAX: build it only for --help.
     parser.format_help = functools.partial(_format_help, parser, config_class)
     return parser
@@ -190,6 +195,9 @@ def load_or_report(cls: type, args: argparse.Namespace, prog: str, *,
 
     try:
         path, overrides = resolve_config(args.config), list(args.overrides)
+        default = getattr(args, "default_config", None)
+        if args.config is None and default is not None:
+            path = str(find_shipped(default))
         run_dir = getattr(args, "resume", None)
         if run_dir is not None:
             if args.config is not None:

@@ -67,6 +67,7 @@ from nonstop.models.lora import LoRAConfig, apply_lora, has_lora, merge_lora
 from nonstop.models.source import ModelSource, TokenizerSource, build_model, build_tokenizer
 from nonstop.models.validation import check, check_int
 from nonstop.perf import busy_fraction, read_events
+from nonstop.recipes.agentic_warmup import WarmupSettings, warm_up
 from nonstop.recipes.config_io import dump_config
 from nonstop.recipes.custom_env import check_custom_env, make_custom_env, uses_custom_env
 from nonstop.recipes.learner_state import (
@@ -141,6 +142,9 @@ class AgenticRunConfig:
     model: ModelSource = ModelSource(family="qwen3")
     tokenizer: TokenizerSource = TokenizerSource(kind="char")
     lora: LoRAConfig | None = None
+    # SFT on the environment's demonstrations before RL (warmup.steps > 0), for a model built
+    # from scratch: recipes/agentic_warmup.py.
+    warmup: WarmupSettings = WarmupSettings()
     env: EnvSettings = EnvSettings()
     group_size: int = 8
     groups_per_step: int = 8
@@ -375,7 +379,17 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
     owns_perf = perf.active_run_dir() is None
     processes = jax.process_count()
     with perf.run(run.own / "perf") if owns_perf else contextlib.nullcontext():
-        # 2. The policy, its trainer and the checkpoint to resume from.
+        # 2. The policy (warmed up first if the config says so), its trainer and the checkpoint
+        # to resume from.
+        warmup_seconds = 0.0
+        if cfg.warmup.steps:
+            if model is not None:
+                raise ValueError(f"warmup.steps={cfg.warmup.steps} with a model given: the "
+                                 "warm-up trains the configured model; give none, or set "
+                                 "warmup.steps=0")
+            warmup_started = time.perf_counter()
+            model = warm_up(cfg, make_env(cfg.env), tokenizer, run.root, progress=progress)
+            warmup_seconds = time.perf_counter() - warmup_started
         model = model if model is not None else build_model(cfg.model, tokenizer, seed=cfg.seed)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, seed=cfg.seed)
@@ -430,7 +444,8 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
             "train_reward_first": records[0].reward_mean if records else None,
             "train_reward_last": records[-1].reward_mean if records else None,
             "engine_busy_fraction": engine_busy_during(run.own / "perf") if owns_perf else None,
-            "rl_seconds": rl_seconds, "seconds": time.perf_counter() - started,
+            "warmup_seconds": warmup_seconds, "rl_seconds": rl_seconds,
+            "seconds": time.perf_counter() - started,
             "run_dir": str(run.root), "final_model": str(final_dir)}
 
 

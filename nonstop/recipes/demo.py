@@ -15,7 +15,8 @@ agent on a CPU, end to end, with nothing downloaded.
 4. Measure the solve rate again; report the engine busy fraction and where the run directory,
    TensorBoard logs and the Perfetto trace are.
 
-Steps 2-4 are the `nonstop agentic` recipe (`agentic_recipe.py`) given the SFT model. Tool
+The whole is one `nonstop agentic` run (`agentic_recipe.py`) with a warm-up
+(`agentic_warmup.py`): `nonstop agentic` with no config runs the same. Tool
 schemas are left out of the prompt (`with_tools_in_prompt=False`): a character-level model pays
 per character, and the demonstrations teach the call format directly.
 """
@@ -24,30 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 from nonstop import perf
 from nonstop.agentic.config import AgentConfig
-from nonstop.agentic.envs import CalculatorEnv
-from nonstop.agentic.envs.calculator import CalculatorConfig
 from nonstop.engine import EngineConfig
-from nonstop.models import Decoder, Tokenizer
-from nonstop.models.char_tokenizer import char_tokenizer
-from nonstop.models.chat import Message
 from nonstop.models.source import ModelSource, TokenizerSource
-from nonstop.models.validation import check
 from nonstop.recipes.agentic_recipe import (
     AgenticRunConfig,
     EnvSettings,
     engine_busy_during,
     run_agentic,
 )
-from nonstop.sft import SFTRunConfig, train
-from nonstop.sft.data import DataConfig
-from nonstop.train import CheckpointConfig, MetricsConfig, OptimizerConfig, PackingConfig
+from nonstop.recipes.agentic_warmup import WarmupSettings
+from nonstop.train import OptimizerConfig, PackingConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,9 +67,7 @@ class DemoConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        fraction = self.tool_demo_fraction
-        check(type(fraction) in (int, float) and 0 <= fraction <= 1, "DemoConfig",
-              "tool_demo_fraction", fraction, "a float in [0, 1]")
+        self.warmup()  # the SFT settings are checked up front
 
     @classmethod
     def quick(cls, run_dir: str) -> DemoConfig:
@@ -90,9 +81,22 @@ class DemoConfig:
                            num_heads=4, num_kv_heads=2, head_dim=self.hidden_size // 4,
                            max_position_embeddings=512)
 
-    def agentic(self) -> AgenticRunConfig:
-        """The RL phase as an `nonstop agentic` run on the calculator environment."""
+    def warmup(self) -> WarmupSettings:
+        """The SFT phase: `sft_steps` on 4,000 demonstrations, `tool_demo_fraction` of them
+        calling the calculator."""
+        return WarmupSettings(
+            steps=self.sft_steps, demonstrations=4000, tool_fraction=self.tool_demo_fraction,
+            optimizer=OptimizerConfig(learning_rate=self.sft_learning_rate, schedule="constant",
+                                      weight_decay=0.0),
+            packing=PackingConfig(buckets=(320,), rows_per_batch=8, max_segments_per_row=2,
+                                  overlong="truncate"))
+
+    def agentic(self, *, warmup: bool = False) -> AgenticRunConfig:
+        """The RL phase as an `nonstop agentic` run on the calculator environment, given the SFT
+        model; `warmup`: the whole demo, the SFT phase first (what `nonstop agentic` with no
+        config runs)."""
         return AgenticRunConfig(
+            warmup=self.warmup() if warmup else WarmupSettings(),
             run_dir=str(Path(self.run_dir) / "agentic"), seed=self.seed, steps=self.rl_steps,
             num_eval=self.eval_problems, pass_k=self.pass_k, model=self.model_source(),
             tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
@@ -109,50 +113,13 @@ class DemoConfig:
             engine=EngineConfig(max_slots=self.max_concurrency, max_len=512))
 
 
-def write_demonstrations(path: Path, env_cfg: CalculatorConfig, n: int, seed: int,
-                         tool_fraction: float = 1.0) -> None:
-    """`n` demonstrations of training-split problems: a share `tool_fraction` call the
-    calculator, the rest state the answer at once (drawn per problem from `seed`)."""
-    env = CalculatorEnv(env_cfg)
-    choice = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(n):
-            task = env.sample_task(seed + i)
-            if choice.random() < tool_fraction:
-                messages = env.demonstration(task)
-            else:
-                messages = [Message.system(env.system_prompt), Message.user(task.prompt),
-                            Message.assistant(task.answer)]
-            f.write(json.dumps({"messages": [m.to_dict() for m in messages]}) + "\n")
-
-
-def supervised_phase(cfg: DemoConfig, tokenizer: Tokenizer) -> Decoder:
-    data = Path(cfg.run_dir) / "sft_data.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    write_demonstrations(data, CalculatorConfig(max_operand=cfg.max_operand), n=4000,
-                         seed=cfg.seed, tool_fraction=cfg.tool_demo_fraction)
-    sft = SFTRunConfig(
-        run_dir=str(Path(cfg.run_dir) / "sft"), steps=cfg.sft_steps, seed=cfg.seed,
-        model=cfg.model_source(), tokenizer=TokenizerSource(kind="char", chat_format="qwen"),
-        data=DataConfig(paths=(str(data),), kind="chat", num_epochs=None, seed=cfg.seed),
-        packing=PackingConfig(buckets=(320,), rows_per_batch=8, max_segments_per_row=2,
-                              overlong="truncate"),
-        optimizer=OptimizerConfig(learning_rate=cfg.sft_learning_rate, schedule="constant",
-                                  weight_decay=0.0),
-        checkpoint=CheckpointConfig(save_every=max(cfg.sft_steps, 1)),
-        metrics=MetricsConfig(progress_bar=cfg.progress), export=False)
-    return train(sft, tokenizer=tokenizer).state.model()
-
-
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     perf_dir = run_dir / "perf"
     with perf.run(perf_dir):
-        model = supervised_phase(cfg, char_tokenizer("qwen"))
-        sft_seconds = time.perf_counter() - started
-        rl = run_agentic(cfg.agentic(), model=model, progress=cfg.progress)
+        rl = run_agentic(cfg.agentic(warmup=True), progress=cfg.progress)
     summary = {
         "solve_rate_before_rl": rl["solve_rate_before"], "solve_rate_after_rl":
         rl["solve_rate_after"], "rl_steps": rl["steps"],
@@ -162,9 +129,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "train_reward_first": rl["train_reward_first"],
         "train_reward_last": rl["train_reward_last"],
         "engine_busy_fraction": engine_busy_during(perf_dir),
-        "sft_seconds": sft_seconds, "rl_seconds": rl["rl_seconds"],
+        "sft_seconds": rl["warmup_seconds"], "rl_seconds": rl["rl_seconds"],
         "seconds": time.perf_counter() - started, "run_dir": str(run_dir),
-        "tensorboard": str(run_dir / "sft" / "tensorboard"),
+        "tensorboard": str(Path(rl["run_dir"]) / "tensorboard"),
         "trace": str(perf_dir / "trace.json"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -168,13 +168,15 @@ def test_the_demo_never_trains_on_a_problem_it_evaluates(tmp_path: Path) -> None
     """`nonstop demo`'s SFT demonstrations (the warm-up that made tests/fixtures/calculator_sft)
     and its RL training draws come from the train split; the problems it evaluates on, from the
     eval split: no arithmetic in common."""
-    from nonstop.agentic.envs.calculator import CalculatorConfig
-    from nonstop.recipes.demo import DemoConfig, write_demonstrations
+    from nonstop.recipes.agentic_recipe import make_env
+    from nonstop.recipes.agentic_warmup import write_demonstrations
+    from nonstop.recipes.demo import DemoConfig
 
     demo = DemoConfig(run_dir=str(tmp_path))
+    cfg = demo.agentic(warmup=True)
     data = tmp_path / "sft.jsonl"
-    write_demonstrations(data, CalculatorConfig(max_operand=demo.max_operand), n=4000, seed=0,
-                         tool_fraction=demo.tool_demo_fraction)
+    write_demonstrations(data, make_env(cfg.env), n=cfg.warmup.demonstrations, seed=cfg.seed,
+                         tool_fraction=cfg.warmup.tool_fraction)
     # Every demonstration's arithmetic, read back from its word problem ("Tom has 7 pens and
     # gets 12 more"); a demonstration that calls the calculator calls it on exactly that.
     story = re.compile(r"has (\d+) \w+ and (gets|gives away) (\d+)")
@@ -189,7 +191,6 @@ def test_the_demo_never_trains_on_a_problem_it_evaluates(tmp_path: Path) -> None
         assert calls in ([], [expression])
         with_tool += bool(calls)
     assert 1800 < with_tool < 2200  # half of the 4,000 call the calculator
-    cfg = demo.agentic()
     make = {split: interaction_factory(cfg, char_tokenizer("qwen"), split)
             for split in ("train", "eval")}
 

@@ -20,6 +20,7 @@ from nonstop.cli.main import SUBCOMMANDS, main
 from nonstop.cli.sft import load_run_config
 from nonstop.recipes.agentic_recipe import AgenticRunConfig
 from nonstop.recipes.config_io import load_config
+from nonstop.recipes.demo import DemoConfig
 from nonstop.recipes.rl_recipe import RLRunConfig
 from nonstop.sft.config import SFTRunConfig
 from nonstop.sft.vision_trainer import VisionTrainConfig
@@ -139,10 +140,17 @@ def test_print_config_of_every_shipped_config_round_trips(path, tmp_path, capsys
 
 
 @pytest.mark.parametrize("command", ["rl", "agentic"])
-def test_print_config_without_a_file_prints_the_defaults(command, tmp_path, capsys):
+def test_print_config_without_a_file_prints_the_commands_default(command, tmp_path, capsys):
+    """`nonstop rl` without --config: the class's defaults; `nonstop agentic`: the shipped
+    agentic_calculator, which is `nonstop demo`'s whole run (the warm-up, then RL)."""
     assert main([command, "--print-config"]) == 0
     (tmp_path / "printed.yaml").write_text(capsys.readouterr().out)
-    assert load(command, tmp_path / "printed.yaml") == load(command, None)
+    if command == "rl":
+        want = load(command, None)
+    else:
+        want = dataclasses.replace(DemoConfig().agentic(warmup=True), run_dir="runs/agentic")
+        assert want.warmup.steps == 900 and want.warmup.tool_fraction == 0.5
+    assert load(command, tmp_path / "printed.yaml") == want
 
 
 @pytest.mark.parametrize("command", ["dpo", "orpo"])
