@@ -30,4 +30,3 @@ def test_quick_demo_improves_solve_rate(tmp_path, capsys):
     names = {e["name"] for spans in trace.spans.values() for e in spans}
     assert {"rollout/decode", "train/step", "engine/device_busy",
             "trainer/device_busy"} <= names
-
