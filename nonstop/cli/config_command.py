@@ -194,10 +194,11 @@ def load_or_report(cls: type, args: argparse.Namespace, prog: str, *,
     from nonstop.recipes.config_io import load_config
 
     try:
-        path, overrides = resolve_config(args.config), list(args.overrides)
-        default = getattr(args, "default_config", None)
+        default, overrides = getattr(args, "default_config", None), list(args.overrides)
         if args.config is None and default is not None:
             path = str(find_shipped(default))
+        else:
+            path = resolve_config(args.config)
         run_dir = getattr(args, "resume", None)
         if run_dir is not None:
             if args.config is not None:

@@ -21,13 +21,8 @@ from nonstop.agentic.environment import Environment, draw_task
 from nonstop.models import Decoder, Tokenizer
 from nonstop.models.chat import Message
 from nonstop.models.validation import check, check_int
-from nonstop.train import (
-    CheckpointConfig,
-    MetricsConfig,
-    OptimizerConfig,
-    PackingConfig,
-    distributed,
-)
+from nonstop.recipes.warmup import WarmupConfig
+from nonstop.train import CheckpointConfig, MetricsConfig, PackingConfig, distributed
 
 if TYPE_CHECKING:
     from nonstop.recipes.agentic_recipe import AgenticRunConfig
@@ -36,14 +31,14 @@ WARMUP_DIR = "warmup"  # RUN_DIR/warmup: the demonstrations and the SFT run
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class WarmupSettings:
-    steps: int = 0  # SFT steps before RL (0: none; the model is used as built or loaded)
-    demonstrations: int = 4000  # conversations written, from training-split tasks seed, seed+1..
-    tool_fraction: float = 1.0  # the share that use the tools; the rest answer at once
-    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, schedule="constant",
-                                                 weight_decay=0.0)
+class WarmupSettings(WarmupConfig):
+    """`nonstop rl`'s warm-up settings (`steps`: 0 for none, `optimizer`, `packing`, here sized
+    for multi-turn conversations) and which demonstrations to write."""
+
     packing: PackingConfig = PackingConfig(buckets=(320,), rows_per_batch=8,
                                            max_segments_per_row=2, overlong="truncate")
+    demonstrations: int = 4000  # conversations written, from training-split tasks seed, seed+1..
+    tool_fraction: float = 1.0  # the share that use the tools; the rest answer at once
 
     def __post_init__(self) -> None:
         check_int("WarmupSettings", "steps", self.steps, low=0)
@@ -68,8 +63,8 @@ def write_demonstrations(path: Path, env: Environment, n: int, seed: int,
                     raise ValueError(f"warmup.tool_fraction={tool_fraction}: task {seed + i} of "
                                      f"{type(env).__name__} has no answer to state without "
                                      "tools; set warmup.tool_fraction=1")
-                first_user = next(i for i, m in enumerate(messages) if m.role == "user")
-                messages = [*messages[: first_user + 1], Message.assistant(task.answer)]
+                question = next(k for k, m in enumerate(messages) if m.role == "user")
+                messages = [*messages[: question + 1], Message.assistant(task.answer)]
             f.write(json.dumps({"messages": [m.to_dict() for m in messages]}) + "\n")
 
 
