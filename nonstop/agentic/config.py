@@ -229,7 +229,9 @@ class RolloutConfig:
     def build(self, model: Any, engine: EngineConfig, *, tokenizer: Any = None,
               policy_version: int = 0, mesh: Any = None) -> RolloutEngine:
         """The engine for `model` (not started: use it as a context manager). A remote backend
-        gets `model`'s weights as `policy_version` at once."""
+        gets `model`'s weights as `policy_version` at once; under `jax.distributed` every
+        process shares `servers` and process 0 publishes the weights (hold the processes at a
+        barrier after each update, as the learners do)."""
         if self.backend == "local":
             from nonstop.engine.engine import Engine
 
@@ -238,6 +240,7 @@ class RolloutConfig:
         if self.backend == "remote":
             import os
 
+            import jax
             from flax import nnx
 
             from nonstop.engine.remote import RemoteEngine
@@ -245,7 +248,8 @@ class RolloutConfig:
             key = os.environ.get(self.api_key_env) if self.api_key_env else None
             remote = RemoteEngine(self.servers, api_key=key, max_len=engine.max_len,
                                   policy=model, policy_version=policy_version,
-                                  weight_transfer=self.weight_transfer)
+                                  weight_transfer=self.weight_transfer,
+                                  publish=jax.process_index() == 0)
             remote.update_weights(nnx.state(model, nnx.Param), policy_version)
             return remote
         from nonstop.engine.vllm_engine import VLLMEngine, VLLMEngineConfig

@@ -302,6 +302,9 @@ class _Learner:
         if self.processes > 1:  # the trainer's arrays span every host; the engine is local
             params = distributed.fetch(params)
         self.engine.update_weights(params, version)
+        # Rollout servers the processes share take the weights from process 0: none samples
+        # before they have.
+        distributed.barrier(f"weights {version} published")
 
     def _group_ids(self, group_ids: Iterable[int] | None) -> Iterator[int]:
         ids = iter(group_ids) if group_ids is not None else process_group_ids(

@@ -41,7 +41,11 @@ seen). Other servers (SGLang, vLLM without dev mode) are generation-only: updati
 error. The last blob is kept: a server seen for the first time, or back after being down, gets
 it before its first request whenever its version differs (a server that joins late, or
 restarts, never samples with stale weights). `policy=` (the trainer's model, for its
-architecture) is needed for this; without it the engine is generation-only.
+architecture) is needed for this; without it the engine is generation-only. A trainer in several
+`jax.distributed` processes shares its servers: process 0's engine publishes each update, the
+others' (`publish=False`) only keep the blob for servers they find behind, so every server
+takes each version once; the caller holds the processes at a barrier until process 0's update
+returns.
 
 Connection failures and 502/503/504 are retried as above; a 4xx raises `RemoteRequestError`
 (also an engine `RequestError`) with the server's message, a 5xx or a malformed response
@@ -111,6 +115,7 @@ class RemoteEngine:
         weight_transfer: WeightTransfer = "auto",
         revive_after_s: float = 5.0,
         weight_dir: str | os.PathLike[str] | None = None,
+        publish: bool = True,
     ):
         """`base_url`: one server's URL or a list of them. `model`: the served model's name, or
         None to ask each server. `timeout`: seconds for one HTTP request (a whole generation).
@@ -124,7 +129,9 @@ class RemoteEngine:
         failed is left alone before it is probed again (and brought up to date). `weight_dir`:
         where updates for vLLM servers are written (`model.safetensors`, replaced each update);
         the servers must read it at the same path (same host, or a shared filesystem). None: a
-        temporary directory of this process, removed by `close` (same host only)."""
+        temporary directory of this process, removed by `close` (same host only). `publish`:
+        False where another process's engine hands each update to these servers (see the
+        module docstring)."""
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteEngine needs at least one server URL")
@@ -168,6 +175,7 @@ class RemoteEngine:
         self._graphdef = self._rest = None
         if policy is not None:
             self._graphdef, _, self._rest = nnx.split(policy, nnx.Param, ...)
+        self._publish = publish
         self._blob: bytes | None = None  # the last weights published, for late joiners
         self._blob_version = policy_version
 
@@ -329,7 +337,7 @@ class RemoteEngine:
                     f"less than the {given} this run needs (engine.max_len): start it with "
                     f"--max-len {given} or lower engine.max_len")
             if ((server.nonstop or server.vllm) and self._blob is not None
-                    and server.version != self._blob_version):
+                    and (server.version is None or server.version < self._blob_version)):
                 started = time.perf_counter()
                 await asyncio.to_thread(self._pusher.push, server, self._blob, self._blob_version)
                 self._sync_s += time.perf_counter() - started
@@ -512,7 +520,8 @@ class RemoteEngine:
 
     def update_weights(self, params: nnx.State, version: int) -> None:
         """Publish `params` (the policy's `nnx.Param` state) as `version` to every live
-        server; returns once each has taken them (see the module docstring)."""
+        server; returns once each has taken them (see the module docstring). With
+        `publish=False`, only keep them for servers found behind."""
         if self._graphdef is None:
             raise EngineError("RemoteEngine.update_weights needs the policy's architecture: "
                               "pass policy=<the trainer's model> to RemoteEngine")
@@ -523,8 +532,8 @@ class RemoteEngine:
         with perf.span("engine/weight_update", policy_version=int(version)):
             blob = encode_weights(self._graphdef, params, self._rest, self._weight_dtype)
             self._blob, self._blob_version = blob, int(version)
-            targets = [s for s in self._servers
-                       if s.up and (s.nonstop or s.vllm or not s.probed)]
+            targets = [s for s in self._servers if self._publish and s.up
+                       and (s.nonstop or s.vllm or not s.probed)]
             with concurrent.futures.ThreadPoolExecutor(max(len(targets), 1)) as pool:
                 results = list(pool.map(lambda s: self._try_push(s, blob, int(version)),
                                         targets))

@@ -412,6 +412,7 @@ def run_agentic(cfg: AgenticRunConfig, *, model=None, progress: bool = True) -> 
                                ) as engine, env_backend(cfg.env) as new_env, TerminationGuard() as guard:
             if processes > 1 and start:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start)
+            distributed.barrier("rollout weights published")  # shared servers: by process 0
             if resumed is not None and "eval_before" in resumed.data:
                 before = dict(resumed.data["eval_before"])  # the first run's starting figures
             else:

@@ -288,6 +288,7 @@ def run_rl(cfg: RLRunConfig, *, progress: bool = True) -> dict[str, Any]:
                                policy_version=start_step, mesh=engine_mesh) as engine:
             if processes > 1 and start_step:
                 engine.update_weights(distributed.fetch(trainer.policy_params()), start_step)
+            distributed.barrier("rollout weights published")  # shared servers: by process 0
 
             async def evaluate(step: int) -> float:
                 return await greedy_reward(

@@ -178,11 +178,11 @@ def run_rl_recipe(out: str) -> None:
     run_rl(cfg, progress=False)
 
 
-def run_agentic_recipe(out: str) -> None:
+def run_agentic_recipe(out: str, rollout=None) -> None:
     """`nonstop agentic` end to end from the calculator SFT fixture: 4 groups x 4 episodes per
     step with the streaming learner at max_staleness 0; with two processes each runs 2 groups
-    on its own engine and environments and packs them into its 8 rows of the global batch. The
-    run stops after step 1 and resumes to step 2."""
+    on its own engine and environments (or, given `rollout`, on that backend) and packs them
+    into its 8 rows of the global batch. The run stops after step 1 and resumes to step 2."""
     import dataclasses
 
     import jax
@@ -198,6 +198,7 @@ def run_agentic_recipe(out: str) -> None:
     cfg = dataclasses.replace(
         demo.agentic(), run_dir=os.path.join(out, "agentic"), learner="streaming",
         groups_per_step=4, group_size=4, num_eval=4, max_concurrency=16,
+        rollout=rollout or demo.agentic().rollout,
         optimizer=OptimizerConfig(name="sgd", learning_rate=0.05, schedule="constant",
                                   weight_decay=0.0),
         packing=PackingConfig(buckets=(320,), rows_per_batch=16 // processes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -155,6 +156,57 @@ def test_agentic_recipe_two_processes_equal_one(runs):
     moved = max_abs_diff(fixture, final[0])
     assert moved > 1e-4, moved
     assert max_abs_diff(*final) <= min(TOLERANCE, moved / 100)
+
+
+@pytest.mark.slow
+def test_agentic_trainer_in_two_processes_over_two_rollout_servers(runs, tmp_path, monkeypatch):
+    """The trainer alone in two `jax.distributed` processes, every rollout on two `nonstop serve`
+    processes that both trainer processes share (rollout.backend=remote), stopped after step 1
+    and resumed: the reward and loss curve of the one-process run with its in-process engine."""
+    import shutil
+
+    from nonstop.models.source import build_tokenizer
+    from nonstop.recipes.demo import DemoConfig
+    from tests.engine.test_server import API_KEY, start_server
+
+    served = tmp_path / "served"  # the fixture, with the tokenizer `nonstop serve` needs
+    shutil.copytree(os.path.join(REPO_ROOT, "tests", "fixtures", "calculator_sft"), served)
+    cfg = DemoConfig().agentic()
+    build_tokenizer(cfg.tokenizer, cfg.model).save_pretrained(served)
+    flags = ["--max-len", str(cfg.engine.max_len), "--max-slots", "16"]
+    with (start_server(served, tmp_path / "a.log", extra=flags) as a,
+          start_server(served, tmp_path / "b.log", extra=flags) as b):
+        monkeypatch.setenv("NONSTOP_TEST_SERVERS", f"{a},{b}")
+        monkeypatch.setenv("ROLLOUT_KEY", API_KEY)
+        out, port = str(tmp_path / "remote"), free_port()
+        procs = [launch("tests.train.multiprocess_remote_worker", out, 2, i, 2, port)
+                 for i in range(2)]
+        wait_all(procs, out)
+        posts = [weight_posts(url) for url in (a, b)]
+    # Each version reached each server once, from process 0: per run the start's weights and
+    # each step's (the resumed run's start twice: the build's, then the checkpoint's).
+    assert posts == [5, 5], posts
+    curves = []
+    for run in (runs[0], out):
+        lines = [json.loads(x) for x in open(os.path.join(run, "agentic", "metrics.jsonl"))]
+        curves.append([(x["reward_mean"], x["loss"]) for x in lines])
+        if run == out:
+            assert [x["rollout/servers_up"] for x in lines] == [2.0, 2.0]
+    assert len(curves[1]) == 2
+    np.testing.assert_allclose(curves[1], curves[0], rtol=0, atol=TOLERANCE)
+    final = [load_file(os.path.join(run, "agentic", "final_model", "model.safetensors"))
+             for run in (runs[0], out)]
+    assert max_abs_diff(*final) <= TOLERANCE
+
+
+def weight_posts(url: str) -> int:
+    """How many weight updates the `nonstop serve` at `url` took (its /metrics)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = r'nonstop_requests_total\{endpoint="/nonstop/weights",status="200"\} (\d+)'
+    found = re.search(pattern, text)
+    return int(found.group(1)) if found else 0
 
 
 def test_distributed_config_from_env():
