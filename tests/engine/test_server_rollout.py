@@ -253,6 +253,36 @@ def test_bfloat16_weights(client: httpx.Client, local: Engine, split, weights):
     assert_matches_local(client, local, 3)
 
 
+def test_an_engine_that_does_not_publish_updates_only_servers_behind(
+        server: str, client: httpx.Client, local: Engine, split, weights):
+    """RemoteEngine(publish=False), as on every process but the first of a multi-process
+    trainer: its update posts nothing; its first request to a server behind that update gives
+    the server the update first; a server ahead of it keeps its own weights."""
+    from nonstop.engine.remote import RemoteEngine
+
+    graphdef, _, rest = split
+    model = nnx.merge(graphdef, weights[0], rest)
+    current = state(client)["policy_version"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with RemoteEngine(server, api_key=API_KEY, policy=model, max_len=MAX_LEN,
+                      publish=False) as engine:
+        engine.update_weights(weights[2], current + 1)
+        assert state(client)["policy_version"] == current  # nothing posted
+        out = asyncio.run(engine.generate(PROMPTS[0], params))
+        assert state(client)["policy_version"] == current + 1
+    local.update_weights(weights[2], current + 1)
+    expected = local.generate_sync(PROMPTS[0], params, timeout=120)
+    assert list(out.tokens) == list(expected.tokens)
+    assert list(out.policy_versions) == [current + 1] * MAX_TOKENS
+    with RemoteEngine(server, api_key=API_KEY, policy=model, max_len=MAX_LEN,
+                      publish=False) as engine:
+        engine.update_weights(weights[0], current)  # older than the server's
+        out = asyncio.run(engine.generate(PROMPTS[0], params))
+    assert state(client)["policy_version"] == current + 1
+    assert list(out.tokens) == list(expected.tokens)
+    assert list(out.policy_versions) == [current + 1] * MAX_TOKENS
+
+
 # ---------------------------------------------------------------- pause
 
 
