@@ -39,8 +39,8 @@ prefix keeps the old version and the rest is sampled from the new weights, as `V
 does in-process (`stats().restarted` counts them; a stop string spanning the seam is not
 seen). Other servers (SGLang, vLLM without dev mode) are generation-only: updating them is an
 error. The last blob is kept: a server seen for the first time, or back after being down, gets
-it before its first request whenever its version differs (a server that joins late, or
-restarts, never samples with stale weights). `policy=` (the trainer's model, for its
+it before its first request whenever its version is older or unknown (a server that joins
+late, or restarts, never samples with stale weights). `policy=` (the trainer's model, for its
 architecture) is needed for this; without it the engine is generation-only. A trainer in several
 `jax.distributed` processes shares its servers: process 0's engine publishes each update, the
 others' (`publish=False`) only keep the blob for servers they find behind, so every server
