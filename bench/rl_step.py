@@ -25,7 +25,8 @@ side (bench/tunix_rl_step.py) runs in its own Python (`--tunix-python`, or `--ma
 builds one) as a subprocess; repetitions alternate the systems. nonstop's steps run inside
 `gc_heap_frozen()`, as `nonstop rl` runs its learner. Medians over the timed steps, then over
 repetitions; compiles after warm-up are counted. `--profile DIR` adds a breakdown of one
-staleness-0 step (jax.profiler trace, packing fill, isolated pass times, donation warnings).
+staleness-0 step (jax.profiler trace, packing fill, isolated pass times, donation warnings, and
+the optimizer step's XLA op time by kind: matrix products, layout copies, other).
 
     python -m bench.rl_step [--tunix-python /tmp/tunix-venv/bin/python] [--quick] [--steps 10]
                             [--warmup 3] [--repeats 3] [--modes staleness0 staleness1 staleness2]
@@ -269,6 +270,41 @@ def make_tunix_env(directory: Path) -> str:
 # ---- the profile ---------------------------------------------------------------------------------
 
 
+STEP_REPEATS = 5  # optimizer steps timed (and traced) alone
+
+
+def op_kind(name: str) -> str:
+    """The kind of an XLA CPU op named in a trace: a matrix product (YNNPACK/XNNPACK/oneDNN
+    fusion or a plain dot), a layout copy (a transpose or copy fusion), or anything else
+    (elementwise, reductions, scatters)."""
+    if name.startswith(("ynn_fusion", "xnn_fusion", "onednn", "dot")):
+        return "dots"
+    if name.startswith(("copy", "transpose")) or "transpose" in name:
+        return "layout_copies"
+    return "other"
+
+
+def op_ms_by_kind(trace_dir: Path, calls: int) -> dict[str, float]:
+    """Milliseconds per call of the XLA ops in a `jax.profiler` trace, by `op_kind`, and their
+    total (runtime and Python events left out). Empty where the trace has no JSON export."""
+    import gzip
+
+    files = sorted(trace_dir.glob("plugins/profile/*/*.trace.json.gz"))
+    if not files:
+        return {}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    totals: collections.Counter[str] = collections.Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or name.startswith(("$", "Thunk", "Slinky", "PjitFunction")):
+            continue
+        totals[op_kind(name)] += event.get("dur", 0)
+    out = {kind: round(us / calls / 1000, 2) for kind, us in sorted(totals.items())}
+    out["total"] = round(sum(totals.values()) / calls / 1000, 2)
+    return out
+
+
 def profile(setup: Setup, directory: Path) -> dict[str, Any]:
     """Where one more staleness-0 step's time goes: a jax.profiler trace of it, then the step's
     parts timed in isolation on its own trajectories."""
@@ -317,15 +353,18 @@ def profile(setup: Setup, directory: Path) -> dict[str, Any]:
     out["behaviour_vs_reference_max_abs"] = float(np.abs(behaviour - np.asarray(ref)[mask]).max())
     out["needs_old_pass"] = bool(trainer.needs_old)
 
-    # The optimizer step alone (the same batch, state donated and replaced as in train()).
+    # The optimizer step alone (the same batch, state donated and replaced as in train()),
+    # traced: its XLA ops' time by kind.
     full = dataclasses.replace(batch, ref_logprobs=ref)
     step_times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        trainer.state, metrics = trainer._step(trainer.state, full)
-        jax.block_until_ready(metrics)
-        step_times.append(time.perf_counter() - t)
+    with jax.profiler.trace(str(directory / "train_step_trace")):
+        for _ in range(STEP_REPEATS):
+            t = time.perf_counter()
+            trainer.state, metrics = trainer._step(trainer.state, full)
+            jax.block_until_ready(metrics)
+            step_times.append(time.perf_counter() - t)
     out["train_step_jit_s"] = statistics.median(step_times)
+    out["train_step_op_ms"] = op_ms_by_kind(directory / "train_step_trace", STEP_REPEATS)
     t = time.perf_counter()
     trainer.train(episodes)
     out["trainer_train_s"] = time.perf_counter() - t
