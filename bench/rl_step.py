@@ -279,7 +279,7 @@ def op_kind(name: str) -> str:
     (elementwise, reductions, scatters)."""
     if name.startswith(("ynn_fusion", "xnn_fusion", "onednn", "dot")):
         return "dots"
-    if name.startswith(("copy", "transpose")) or "transpose" in name:
+    if name.startswith("copy") or "transpose" in name:
         return "layout_copies"
     return "other"
 

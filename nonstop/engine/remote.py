@@ -43,9 +43,9 @@ it before its first request whenever its version is older or unknown (a server t
 late, or restarts, never samples with stale weights). `policy=` (the trainer's model, for its
 architecture) is needed for this; without it the engine is generation-only. A trainer in several
 `jax.distributed` processes shares its servers: process 0's engine publishes each update, the
-others' (`publish=False`) only keep the blob for servers they find behind, so every server
-takes each version once; the caller holds the processes at a barrier until process 0's update
-returns.
+others' (`publish=False`) only keep the weights, encoded if a server is found behind, so every
+server takes each version once; the caller holds the processes at a barrier until process 0's
+update returns.
 
 Connection failures and 502/503/504 are retried as above; a 4xx raises `RemoteRequestError`
 (also an engine `RequestError`) with the server's message, a 5xx or a malformed response
@@ -62,12 +62,14 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import jax
 import numpy as np
 from flax import nnx
 
@@ -176,8 +178,12 @@ class RemoteEngine:
         if policy is not None:
             self._graphdef, _, self._rest = nnx.split(policy, nnx.Param, ...)
         self._publish = publish
-        self._blob: bytes | None = None  # the last weights published, for late joiners
+        # The last update, for servers found behind: its blob, or (publish=False) its weights
+        # until a server needs them encoded.
+        self._blob: bytes | None = None
+        self._unencoded: nnx.State | None = None
         self._blob_version = policy_version
+        self._blob_lock = threading.Lock()  # updates (a trainer thread) against probes
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -336,10 +342,11 @@ class RemoteEngine:
                     f"rollout server {server.root} serves a context of {server.max_len} tokens, "
                     f"less than the {given} this run needs (engine.max_len): start it with "
                     f"--max-len {given} or lower engine.max_len")
-            if ((server.nonstop or server.vllm) and self._blob is not None
+            if ((server.nonstop or server.vllm)
+                    and (self._blob is not None or self._unencoded is not None)
                     and (server.version is None or server.version < self._blob_version)):
                 started = time.perf_counter()
-                await asyncio.to_thread(self._pusher.push, server, self._blob, self._blob_version)
+                await asyncio.to_thread(self._push_last, server)
                 self._sync_s += time.perf_counter() - started
             server.probed = True
             if self._max_slots_given is None:
@@ -529,20 +536,38 @@ class RemoteEngine:
             if server.probed and not (server.nonstop or server.vllm):
                 raise takes_no_weights(server)
         started = time.perf_counter()
+        targets: list[Server] = []
         with perf.span("engine/weight_update", policy_version=int(version)):
-            blob = encode_weights(self._graphdef, params, self._rest, self._weight_dtype)
-            self._blob, self._blob_version = blob, int(version)
-            targets = [s for s in self._servers if self._publish and s.up
-                       and (s.nonstop or s.vllm or not s.probed)]
-            with concurrent.futures.ThreadPoolExecutor(max(len(targets), 1)) as pool:
-                results = list(pool.map(lambda s: self._try_push(s, blob, int(version)),
-                                        targets))
+            if self._publish:
+                blob, kept = encode_weights(self._graphdef, params, self._rest,
+                                            self._weight_dtype), None
+            else:  # encoded only if a server is found behind (`_push_last`); a snapshot,
+                # as the caller's model may change meanwhile
+                blob, kept = None, jax.tree.map(lambda x: x, params)
+            with self._blob_lock:
+                self._blob, self._unencoded, self._blob_version = blob, kept, int(version)
+            if blob is not None:
+                targets = [s for s in self._servers
+                           if s.up and (s.nonstop or s.vllm or not s.probed)]
+                with concurrent.futures.ThreadPoolExecutor(max(len(targets), 1)) as pool:
+                    results = list(pool.map(lambda s: self._try_push(s, blob, int(version)),
+                                            targets))
         if targets and not any(results):
             raise RemoteEngineError(f"update_weights: no rollout server took version {version}"
                                     " (all are down; see the warnings above)")
         self.policy_version = int(version)
         self._counts["weight_updates"] += 1
         self._sync_s += time.perf_counter() - started
+
+    def _push_last(self, server: Server) -> None:
+        """Bring `server` to the last update (encoded first if it was kept as weights)."""
+        with self._blob_lock:
+            if self._blob is None:
+                self._blob = encode_weights(self._graphdef, self._unencoded, self._rest,
+                                            self._weight_dtype)
+                self._unencoded = None
+            blob, version = self._blob, self._blob_version
+        self._pusher.push(server, blob, version)
 
     def _try_push(self, server: Server, blob: bytes, version: int) -> bool:
         try:

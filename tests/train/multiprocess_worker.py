@@ -195,10 +195,11 @@ def run_agentic_recipe(out: str, rollout=None) -> None:
     processes = jax.process_count()
     demo = DemoConfig(run_dir=os.path.join(out, "agentic_demo"), rl_steps=2, max_staleness=0,
                       progress=False)
+    base = demo.agentic()
     cfg = dataclasses.replace(
-        demo.agentic(), run_dir=os.path.join(out, "agentic"), learner="streaming",
+        base, run_dir=os.path.join(out, "agentic"), learner="streaming",
         groups_per_step=4, group_size=4, num_eval=4, max_concurrency=16,
-        rollout=rollout or demo.agentic().rollout,
+        rollout=rollout or base.rollout,
         optimizer=OptimizerConfig(name="sgd", learning_rate=0.05, schedule="constant",
                                   weight_decay=0.0),
         packing=PackingConfig(buckets=(320,), rows_per_batch=16 // processes,

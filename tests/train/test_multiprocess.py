@@ -186,12 +186,10 @@ def test_agentic_trainer_in_two_processes_over_two_rollout_servers(runs, tmp_pat
     # Each version reached each server once, from process 0: per run the start's weights and
     # each step's (the resumed run's start twice: the build's, then the checkpoint's).
     assert posts == [5, 5], posts
-    curves = []
-    for run in (runs[0], out):
-        lines = [json.loads(x) for x in open(os.path.join(run, "agentic", "metrics.jsonl"))]
-        curves.append([(x["reward_mean"], x["loss"]) for x in lines])
-        if run == out:
-            assert [x["rollout/servers_up"] for x in lines] == [2.0, 2.0]
+    local, remote = ([json.loads(x) for x in open(os.path.join(run, "agentic", "metrics.jsonl"))]
+                     for run in (runs[0], out))
+    assert [x["rollout/servers_up"] for x in remote] == [2.0, 2.0]
+    curves = [[(x["reward_mean"], x["loss"]) for x in lines] for lines in (local, remote)]
     assert len(curves[1]) == 2
     np.testing.assert_allclose(curves[1], curves[0], rtol=0, atol=TOLERANCE)
     final = [load_file(os.path.join(run, "agentic", "final_model", "model.safetensors"))
