@@ -187,7 +187,8 @@ def test_figures_match_the_known_schedule(rep, pipeline):
     assert ep.causes[report.GENERATE] == pytest.approx(TURNS * STEPS * DECODE / EPISODE, abs=0.02)
     assert ep.causes[perf.ROLLOUT_REWARD] == pytest.approx(REWARD / EPISODE, abs=0.02)
     # Per-stage table: exact counts, utilisation (total over the window) within 2%; medians
-    # within 2% or 1 ms, whichever is more (a phase that starts late by a wake-up ends on time).
+    # within 2% or 2 ms, whichever is more (a phase that starts late by its predecessor's late
+    # wake-up still ends on its deadline, so it is short by that wake-up: 1.4 ms seen in CI).
     expected = {
         perf.ROLLOUT_DECODE: (n_steps, DECODE),
         perf.ENGINE_BUSY: (n_steps, DECODE),
@@ -201,7 +202,7 @@ def test_figures_match_the_known_schedule(rep, pipeline):
         st = rep.stages[name]
         assert st.count == count, name
         assert st.total_s / TOTAL == pytest.approx(count * seconds / TOTAL, abs=0.02), name
-        assert st.p50_s == pytest.approx(seconds, abs=max(0.02 * seconds, 0.001)), name
+        assert st.p50_s == pytest.approx(seconds, abs=max(0.02 * seconds, 0.002)), name
     assert rep.stages[perf.TRAIN_DATA_WAIT].count == groups
     assert rep.stages[perf.ROLLOUT_TOOL_WAIT].occupancy == pytest.approx(
         EPISODES * TURNS * TOOL / TOTAL, abs=0.02
