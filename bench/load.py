@@ -4,8 +4,9 @@ Writes a synthetic Llama-style checkpoint of about 1 GB (bf16, several shards, H
 layout), then loads it in fresh subprocesses two ways, side by side:
   - `nonstop`: `load_pretrained`, one thread mapping the next tensor's file pages (or reading
     it, when it is already in our layout) while the caller places each tensor in our layout
-    (transposed on the host by row ranges on every core here, since the bench runs on CPU
-    devices) and the shape-only model is built during the first read;
+    (transposed on the host into a fresh buffer, each core writing its own range of the
+    result's rows, since the bench runs on CPU devices) and the shape-only model is built
+    during the first read;
   - `naive`: `safetensors.numpy.load_file` per shard, then `jax.device_put` of each tensor.
 Peak RSS is read from getrusage in the loading process; `delta` subtracts the RSS the process
 had after importing jax and before loading, so the ratio is about the loader, not the runtime.
@@ -15,9 +16,10 @@ had after importing jax and before loading, so the ratio is about the loader, no
 `--phases` also times, in one more fresh subprocess, the parts of the `nonstop` load: mapping
 every tensor's file pages (against reading each into one reused buffer, the copy that mapping
 saves), building the shape-only model, making a fresh buffer for each (pages faulted in one by
-one as written, or all at once by `aligned_buffer`), the host transposes into our layout
-(`placement.transposed`, all cores, into buffers already mapped; also on one thread, and
-without the 8-byte word pass) and, for scale, plain copies of the same bytes.
+one as written by one thread, or all at once with `MAP_POPULATE`), the host transposes into our
+layout (`placement.transposed`, all cores, into buffers already faulted in; also on one thread,
+and without the 8-byte word pass), the transposes as the loader runs them (into fresh buffers,
+each core faulting in the pages it writes) and, for scale, plain copies of the same bytes.
 """
 
 from __future__ import annotations
@@ -163,6 +165,10 @@ with SafetensorsReader(path) as reader:
             placement.transposed(stored, perm, into)
         out[name] = time.perf_counter() - t0
         placement._workers = workers
+    t0 = time.perf_counter()
+    for stored, perm, _ in work:  # the loader's way: each core faults in its own pages
+        placement.transposed(stored, perm)
+    out["transposes_into_fresh"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     for stored, _, into in work:
         into[...] = stored.reshape(-1).view(np.uint8)

@@ -184,10 +184,19 @@ def init_decoder(cfg: ModelConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.floa
     return Decoder(cfg, rngs=nnx.Rngs(params=seed), dtype=dtype, param_dtype=param_dtype)
 
 
+class _ShapeOnlyKeys:
+    """Stands in for `nnx.Rngs` where parameters are only traced for their shapes: one fixed
+    key, no counter. Each draw from a real `nnx.Rngs` updates its count variable, which costs
+    more under `eval_shape` than the rest of the build (`bench.load --phases`)."""
+
+    def params(self) -> jax.Array:
+        return jax.random.key(0)
+
+
 def abstract_decoder(cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32,
                      param_dtype: jnp.dtype = jnp.float32) -> Decoder:
     """The decoder with shape-only parameters (no memory), for loading and sharding."""
-    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0), dtype=dtype,
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=_ShapeOnlyKeys(), dtype=dtype,
                                           param_dtype=param_dtype))
 
 

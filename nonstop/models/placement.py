@@ -97,10 +97,10 @@ def transposed(stored: np.ndarray, perm: tuple[int, ...],
     `aligned_buffer` of `stored.nbytes`) or into a fresh buffer.
 
     Merging the axes that stay adjacent turns every layout of ours into a 2-D transpose
-    (`[A..., B] -> [B, A...]`), done by row ranges on the process's cores.
+    (`[A..., B] -> [B, A...]`), done by ranges of the result's rows on the process's cores.
     """
     if out is None:
-        out = aligned_buffer(stored.nbytes)
+        out = aligned_buffer(stored.nbytes, populate=False)
     out = out.view(stored.dtype).reshape(tuple(stored.shape[a] for a in perm))
     groups: list[list[int]] = []
     for axis in perm:
@@ -115,14 +115,16 @@ def transposed(stored: np.ndarray, perm: tuple[int, ...],
     rows = stored.size // cols
     src = _as_bits(stored).reshape(rows, cols)
     dst = _as_bits(out).reshape(cols, rows)
-    # Row ranges on the cores (numpy copies release the GIL): the host transpose is the
-    # loader's main cost beyond reading the bytes.
-    step = max(_CHUNK_ROWS, -(-rows // _workers() // _CHUNK_ROWS) * _CHUNK_ROWS)
-    if rows * cols < _PARALLEL_MIN_ELEMENTS or step >= rows:
+    # The result's rows (the source's columns) in ranges, one per core (numpy copies release
+    # the GIL): each core writes pages of its own, so where `out` is fresh its pages are faulted
+    # in on every core at once, as they are written, instead of on one beforehand.
+    lanes = max(1, _WORD.itemsize // src.dtype.itemsize)
+    step = -(-cols // _workers() // lanes) * lanes
+    if rows * cols < _PARALLEL_MIN_ELEMENTS or step >= cols:
         _transpose_rows(src, dst, 0, rows)
         return out
-    futures = [_pool().submit(_transpose_rows, src, dst, a, min(a + step, rows))
-               for a in range(0, rows, step)]
+    futures = [_pool().submit(_transpose_rows, src[:, a:a + step], dst[a:a + step], 0, rows)
+               for a in range(0, cols, step)]
     for future in futures:
         future.result()
     return out
@@ -212,7 +214,8 @@ def place_all(reader: SafetensorsReader,
     process's cores. A tensor already in our layout is read straight into the buffer its
     array then adopts on CPU: its bytes are written once. Any other is a view of the file's
     pages (`SafetensorsReader.mapped`: no copy out of the page cache), transposed into a fresh
-    buffer that the reading thread maps (`on_cpu`: every device is a CPU) or, for accelerators,
+    buffer that the reading thread maps and the cores writing it fault in (`on_cpu`: every
+    device is a CPU) or, for accelerators,
     sent as stored. So the host holds at most two tensors besides the results. `shardings` is
     consumed one at a time as each tensor is placed, the first once the first read has begun:
     a generator may build what the shardings come from meanwhile. More reading threads only
@@ -230,7 +233,7 @@ def place_all(reader: SafetensorsReader,
         if in_place and entry.dtype == dtype:
             return to_ours(reader.read(name)), False, None
         ours = to_ours(reader.mapped(name))
-        out = aligned_buffer(ours.size * dtype.itemsize) if on_cpu else None
+        out = aligned_buffer(ours.size * dtype.itemsize, populate=False) if on_cpu else None
         return ours, True, out
 
     shardings = iter(shardings)

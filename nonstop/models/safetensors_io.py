@@ -147,9 +147,11 @@ def aligned_buffer(nbytes: int, *, populate: bool = True) -> np.ndarray:
 
     A large one is its own anonymous mapping, released when the last array viewing it is (JAX
     keeps an adopted one alive). With `populate`, the one `mmap` call faults all its pages in
-    (`MAP_POPULATE`), faster than one fault per page as it is first written: every placed tensor
-    is written once into a fresh buffer (`docs/benchmarks.md`, `bench.load`). A reused buffer
-    that may be only partly written is better not populated.
+    (`MAP_POPULATE`), faster than one thread faulting them one by one as it writes (a tensor
+    read with one `read` call). A buffer that several threads fill at once is better not
+    populated: each faults in the pages it writes, in parallel (the loader's transposes), and a
+    reused buffer that may be only partly written is better not populated either
+    (`docs/benchmarks.md`, `bench.load --phases`).
     """
     if nbytes >= _MAPPED_MIN:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_POPULATE if populate else 0)

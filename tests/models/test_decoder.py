@@ -10,7 +10,16 @@ import torch
 import transformers
 from flax import nnx
 
-from nonstop.models import KVCache, load_pretrained, make_mesh, save_pretrained, shard_model
+from nonstop.models import (
+    Decoder,
+    KVCache,
+    abstract_decoder,
+    load_pretrained,
+    make_mesh,
+    save_pretrained,
+    shard_model,
+)
+from nonstop.models.presets import tiny_config
 from tests.models.hf_fixtures import FAMILIES, build_hf_model, hf_logits
 
 ATOL_HF = 1e-4
@@ -150,3 +159,21 @@ def test_sharded_forward_equals_unsharded(family, tmp_path):
         a = getattr(moved.layers[0].attn, name)[...]
         b = getattr(sharded.layers[0].attn, name)[...]
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+def test_abstract_decoder_has_the_structure_of_a_real_build(family):
+    """The shape-only build (one fixed key, no rng counter) gives the graph, parameter paths,
+    shapes, dtypes and logical axes of a decoder built with `nnx.Rngs`."""
+    cfg = tiny_config(family)
+    real = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0), dtype=jnp.bfloat16,
+                                          param_dtype=jnp.float32))
+    graph, state = nnx.split(abstract_decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32))
+    real_graph, real_state = nnx.split(real)
+    assert graph == real_graph
+
+    def described(s):
+        return {tuple(p): (v.get_value().shape, v.get_value().dtype, v.logical_axes)
+                for p, v in nnx.to_flat_state(s)}
+
+    assert described(state) == described(real_state)
