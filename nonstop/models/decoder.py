@@ -23,6 +23,7 @@ from jax import Array
 
 from nonstop.models.config import LayerType, ModelConfig
 from nonstop.models.layers import Block, RMSNorm, _param, softcap
+from nonstop.models.lora import dense
 from nonstop.models.paged import PagedLayer
 from nonstop.models.rope import inverse_frequencies, rope_angles
 
@@ -158,10 +159,8 @@ class Decoder(nnx.Module):
 
     def logits(self, h: Array) -> Array:
         """float32 logits [B, T, V] from final hidden states [B, T, D]."""
-        if self.cfg.tie_embeddings:
-            out = jnp.einsum("btd,vd->btv", h, self.embed[...].astype(h.dtype))
-        else:
-            out = h @ self.lm_head[...].astype(h.dtype)
+        head = (self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...])
+        out = dense(h, head.astype(h.dtype), 1)
         return softcap(out.astype(jnp.float32), self.cfg.final_softcap)
 
     def __call__(self, tokens: Array, positions: Array | None = None,

@@ -12,6 +12,8 @@ into plain weights for export and `strip_lora` drops them, leaving the base. Lay
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +86,39 @@ def project(x: Array, weight: nnx.Param | QuantizedWeight | LoRAWeight, n_in: in
     """Contract the last `n_in` axes of x with the first `n_in` axes of the weight."""
     if isinstance(weight, LoRAWeight):
         return weight(x)
-    return jnp.tensordot(x, weight_value(weight, x.dtype), axes=n_in)
+    return dense(x, weight_value(weight, x.dtype), n_in)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x: Array, w: Array, n_in: int) -> Array:
+    """`tensordot(x, w, n_in)` with a weight gradient that transposes the smaller operand.
+
+    Differentiated as is, JAX writes the weight gradient as `(dy^T x)^T`, and XLA's CPU backend
+    then copies `dy` transposed for the product: for the gate and up projections that is the
+    [tokens, mlp] activation gradient, twice the size of the [tokens, embed] input, and for the
+    LM head the [tokens, vocab] logits gradient (`bench.rl_step --profile`, layout copies)."""
+    return jnp.tensordot(x, w, axes=n_in)
+
+
+def _dense_fwd(x: Array, w: Array, n_in: int) -> tuple[Array, tuple[Array, Array]]:
+    return dense(x, w, n_in), (x, w)
+
+
+def _dense_bwd(n_in: int, res: tuple[Array, Array], dy: Array) -> tuple[Array, Array]:
+    x, w = res
+    k = math.prod(w.shape[:n_in])
+    n = math.prod(w.shape[n_in:])
+    x2, dy2, w2 = x.reshape(-1, k), dy.reshape(-1, n), w.reshape(k, n)
+    dx = jax.lax.dot_general(dy2, w2, (((1,), (1,)), ((), ())))
+    tokens = (((0,), (0,)), ((), ()))
+    if k <= n:
+        dw = jax.lax.dot_general(x2, dy2, tokens)
+    else:
+        dw = jax.lax.dot_general(dy2, x2, tokens).T
+    return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
 
 
 def reseeded(model: nnx.Module, rng: Array) -> nnx.Module:

@@ -10,7 +10,14 @@ import pytest
 from flax import nnx
 
 from nonstop.models import ModelConfig, init_decoder, load_pretrained, save_pretrained
-from nonstop.models.lora import LoRAConfig, LoRAWeight, apply_lora, has_lora, merge_lora
+from nonstop.models.lora import (
+    LoRAConfig,
+    LoRAWeight,
+    apply_lora,
+    dense,
+    has_lora,
+    merge_lora,
+)
 from nonstop.models.quantize import QuantConfig, QuantizedWeight, quantization_error, quantize_model
 from nonstop.train import TrainState, make_train_step
 
@@ -146,3 +153,30 @@ def test_lora_dropout_trains_through_the_supervised_losses(kind):
     assert max(float(np.abs(d).max()) for d in first) > 0
     assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
     assert not all(np.allclose(a, b) for a, b in zip(first, other, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("x_shape", "w_shape", "n_in"), [
+    ((2, 5, 8), (8, 3, 4), 1),    # q/k/v: inputs narrower than outputs
+    ((2, 5, 12), (12, 6), 1),     # down/o: inputs wider than outputs
+    ((2, 5, 3, 4), (3, 4, 7), 2),  # o_proj contracts heads and head_dim
+])
+def test_dense_gradients_equal_autodiff_of_tensordot(x_shape, w_shape, n_in, dtype):
+    """`dense`'s hand-written weight gradient (the smaller operand transposed) and input
+    gradient equal JAX's differentiation of the plain `tensordot`, in each dtype."""
+    kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, dtype)
+    w = jax.random.normal(kw, w_shape, dtype)
+    probe = jax.random.normal(ky, x_shape[:x.ndim - n_in] + w_shape[n_in:], jnp.float32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * probe)
+
+    got = jax.grad(loss(lambda x, w: dense(x, w, n_in)), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: jnp.tensordot(x, w, axes=n_in)), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(dense(x, w, n_in), jnp.tensordot(x, w, axes=n_in))
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    for g, e in zip(got, want, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                                   rtol=tol, atol=tol)
